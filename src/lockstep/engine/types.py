@@ -1,0 +1,171 @@
+"""The engine's contract: what callers pass in and get back.
+
+Shapes follow Tinker's conventions (see docs/architecture.md): a datum's `model_input` has N tokens,
+and every per-token array in `loss_fn_inputs` has shape (N,), where position i predicts
+`target_tokens[i]`. Containers are frozen; arrays are NumPy so that callers (the runtime, the API
+workers) need not build torch tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Mapping, Sequence
+
+import numpy as np
+
+StopReason = Literal["stop", "length"]
+
+
+class EngineError(ValueError):
+    """A user error detected by the engine: the message says what is wrong and what is expected."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to decode one request."""
+
+    max_tokens: int = 32
+    """Upper bound on new tokens per sample."""
+    temperature: float = 1.0
+    """0 means greedy; otherwise logits are divided by it before sampling."""
+    top_p: float = 1.0
+    """Nucleus mass kept, in (0, 1]."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 disables."""
+    stop: tuple[int | str, ...] | None = None
+    """Token ids and/or strings that end a sample. None keeps EOS stopping; () disables all stops."""
+    seed: int | None = None
+    """Makes sampling reproducible: the same seed and prompt give the same samples, whatever else
+    is in the batch."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise EngineError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise EngineError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (0 < self.top_p <= 1):
+            raise EngineError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise EngineError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
+        if self.stop is not None:
+            for s in self.stop:
+                if isinstance(s, bool) or not isinstance(s, (int, str)) or s == "":
+                    raise EngineError(f"stop entries must be token ids or non-empty strings, got {s!r}")
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One prompt to be sampled `num_samples` times; the prompt's prefill is shared."""
+
+    prompt: tuple[int, ...]
+    """Prompt token ids."""
+    params: SamplingParams = field(default_factory=SamplingParams)
+    num_samples: int = 1
+    """Independent samples of this prompt."""
+    prompt_logprobs: bool = False
+    """Also return log p(prompt[i] | prompt[:i]) for every prompt position (entry 0 is NaN)."""
+
+    def __post_init__(self) -> None:
+        if len(self.prompt) == 0:
+            raise EngineError("prompt must hold at least one token")
+        if not isinstance(self.num_samples, int) or self.num_samples < 1:
+            raise EngineError(f"num_samples must be an integer >= 1, got {self.num_samples!r}")
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    """One completion."""
+
+    tokens: tuple[int, ...]
+    """New tokens, including the stop token or the tokens that completed a stop string."""
+    logprobs: tuple[float, ...]
+    """Per-token log-probability under the distribution actually sampled from (after temperature,
+    top-k and top-p); at temperature 1 with no truncation this is the model's own log p."""
+    stop_reason: StopReason
+    """"stop" for EOS or a stop match, "length" when max_tokens was reached."""
+    policy_version: int
+    """Version of the weights that produced every token of this sequence."""
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """All samples of one request."""
+
+    sequences: tuple[SampledSequence, ...]
+    prompt_logprobs: tuple[float, ...] | None = None
+    """One entry per prompt token, the first NaN; None unless requested."""
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One training example in Tinker's layout."""
+
+    model_input: tuple[int, ...]
+    """N input tokens."""
+    loss_fn_inputs: Mapping[str, np.ndarray]
+    """Per-token arrays of shape (N,): target_tokens (int), weights, logprobs, advantages, ..."""
+
+    @staticmethod
+    def from_tokens(tokens: Sequence[int], weights: Sequence[float] | None = None, **extra) -> "Datum":
+        """Next-token datum: input tokens[:-1], targets tokens[1:], weights default to 1."""
+        if len(tokens) < 2:
+            raise EngineError("a datum needs at least 2 tokens (an input and a target)")
+        n = len(tokens) - 1
+        w = np.ones(n, np.float32) if weights is None else np.asarray(weights, np.float32)
+        inputs = {"target_tokens": np.asarray(tokens[1:], np.int64), "weights": w}
+        inputs.update({k: np.asarray(v) for k, v in extra.items()})
+        return Datum(model_input=tuple(int(t) for t in tokens[:-1]), loss_fn_inputs=inputs)
+
+
+@dataclass(frozen=True)
+class ForwardBackwardOutput:
+    """Result of forward or forward_backward."""
+
+    loss_fn_outputs: tuple[dict[str, np.ndarray], ...]
+    """Per datum: "logprobs" (shape (N,)) and "elementwise_loss"."""
+    metrics: dict[str, float]
+    """Keys are "name:reduction" (Tinker's merge convention); "loss:sum" is always present."""
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """AdamW hyperparameters for one optimizer step (Tinker defaults)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay."""
+    grad_clip_norm: float = 0.0
+    """Global L2 norm clip; 0 disables."""
+
+    def __post_init__(self) -> None:
+        for name in ("learning_rate", "eps", "weight_decay", "grad_clip_norm"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise EngineError(f"adam_params.{name} must be a finite number >= 0, got {v!r}")
+        for name in ("beta1", "beta2"):
+            v = getattr(self, name)
+            if not (0 <= v < 1):
+                raise EngineError(f"adam_params.{name} must be in [0, 1), got {v!r}")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA adapter shape (applied through peft)."""
+
+    rank: int = 32
+    alpha: float = 32.0
+    target_modules: tuple[str, ...] = (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    )
+    seed: int = 0
+    """Seeds the adapter's initialisation."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise EngineError(f"lora rank must be an integer >= 1, got {self.rank!r}")
+        if not self.target_modules:
+            raise EngineError("lora target_modules must name at least one module")
