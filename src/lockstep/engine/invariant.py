@@ -11,10 +11,11 @@ it is computed in a KV-cache decode step or in a full-sequence forward. Measured
 * `exp`, `cos`, `sin`, `log`, `sqrt` and IEEE arithmetic agree between ATen's vector and scalar
   tail paths; `sigmoid`, `silu`, `rsqrt` and `gelu` do not (up to 1 ulp), so SiLU and RMSNorm are
   composed here from the ops that agree.
-* Softmax over keys is done in fixed key blocks of KEY_BLOCK, with a global max (exact in any order)
-  and the per-block partial sums folded left to right in Python, so a query sees the same
-  reduction tree whether its keys sit in a cache of length t or in a padded sequence of length T:
-  the blocks past its position contribute exact zeros.
+* Attention runs over a key length L padded to a multiple of KEY_BLOCK. With L a multiple of 32,
+  a score column comes out the same whatever L is, and a P @ V row the same whatever number of
+  trailing zero probabilities it carries (checked up to L = 1024), so a query sees the same bits
+  whether its keys sit in a cache of length t or in a padded sequence of length T. Longer key
+  ranges are cut into segments of KEY_SEGMENT whose partial sums are folded left to right.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 ROW_TILE = 8
 KEY_BLOCK = 32
+KEY_SEGMENT = 1024
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -71,35 +73,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def blocked_attention(
+def attention(
     q_BHRD: torch.Tensor,
-    qpos_BR: torch.Tensor,
     k_BHLD: torch.Tensor,
     v1_BHLE: torch.Tensor,
-    num_blocks: int,
-    scale: float,
+    visible_B1RL: torch.Tensor,
 ) -> torch.Tensor:
-    """Causal attention over the first `num_blocks * KEY_BLOCK` keys, invariant to that count.
+    """Softmax attention over L keys (L a multiple of KEY_BLOCK), invariant to L past the visible keys.
 
-    q_BHRD: queries per KV head (rows = group heads x query positions, padded to ROW_TILE).
-    qpos_BR: the absolute position of each query row; key j is visible iff j <= position.
-    k_BHLD, v1_BHLE: keys and values; values carry an extra column of ones (E = D + 1) so that the
-    softmax denominator comes out of the same blocked matmul as the numerator.
+    q_BHRD: pre-scaled queries per KV head (rows = group heads x positions, padded to ROW_TILE).
+    k_BHLD, v1_BHLE: keys and values; values carry a trailing column of ones (E = D + 1), so the
+    softmax denominator comes out of the same matmul as the numerator.
+    visible_B1RL: whether each key is visible to each query row (at least one per row).
+    Keys are taken in segments of KEY_SEGMENT whose partial results are folded left to right.
     Returns (B, H, R, D).
     """
-    B, H, R, D = q_BHRD.shape
-    L = num_blocks * KEY_BLOCK
-    k = k_BHLD[:, :, :L].reshape(B, H, num_blocks, KEY_BLOCK, D)
-    v = v1_BHLE[:, :, :L].reshape(B, H, num_blocks, KEY_BLOCK, D + 1)
-    scores = torch.matmul(q_BHRD.unsqueeze(2), k.transpose(-1, -2)) * scale  # (B,H,nb,R,KB)
-    keys = torch.arange(L, device=q_BHRD.device).view(num_blocks, 1, KEY_BLOCK)
-    visible = keys <= qpos_BR.view(B, 1, 1, R, 1)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    m = scores.amax(dim=(2, 4), keepdim=True)
-    partial = torch.matmul(torch.exp(scores - m), v)  # (B,H,nb,R,D+1)
-    acc = partial[:, :, 0]
-    for b in range(1, num_blocks):
-        acc = acc + partial[:, :, b]
+    L = k_BHLD.shape[2]
+    scores = torch.matmul(q_BHRD, k_BHLD.transpose(-1, -2)).masked_fill_(~visible_B1RL, float("-inf"))
+    p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # a max is exact in any order
+    acc = None
+    for start in range(0, L, KEY_SEGMENT):
+        part = torch.matmul(p[..., start : start + KEY_SEGMENT], v1_BHLE[:, :, start : start + KEY_SEGMENT])
+        acc = part if acc is None else acc + part
+    D = q_BHRD.shape[-1]
     return acc[..., :D] / acc[..., D:]
 
 

@@ -3,8 +3,12 @@
 `InvariantLM` reads the parameters of a transformers Llama-family model (optionally with peft LoRA
 layers injected) and computes the forward with the batch-invariant ops of `engine.invariant`. The
 module tree stays the transformers one, so peft, safetensors export and `save_pretrained` work as
-usual; only the arithmetic is ours. Gradients flow into the same parameters, so the trainer uses
-this forward too and logprobs agree bit for bit with the sampler's.
+usual; only the arithmetic is ours. Gradients flow into the same parameters, so the trainer runs
+this forward too and its logprobs equal the sampler's bit for bit.
+
+Projections that read the same input are fused (q|k|v and gate|up), in both uses alike, so a
+decode step makes 4 matmul calls per layer instead of 7. Outside autograd the fused weights are
+cached and re-derived whenever a parameter's in-place version counter moves.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from lockstep.engine.invariant import KEY_BLOCK, ROW_TILE, round_up
 class KVCache:
     """Per-layer keys (B, Hkv, L, D) and values with a ones column (B, Hkv, L, D+1).
 
-    Index j along L holds the token at position j of that row; unwritten slots are zero and are
-    never visible because attention masks keys by position.
+    Slot j of row b holds the token at position j; unwritten slots are zero and never visible,
+    because attention masks keys by position. L is a multiple of KEY_BLOCK.
     """
 
     k: list[torch.Tensor]
@@ -38,7 +42,7 @@ class KVCache:
         return self.k[0].shape[0]
 
     def select(self, rows: torch.Tensor) -> "KVCache":
-        """A cache holding the given rows (used for prefix sharing and for compacting the batch)."""
+        """A cache holding the given batch rows (prefix sharing, batch compaction)."""
         return KVCache([k.index_select(0, rows) for k in self.k], [v.index_select(0, rows) for v in self.v1])
 
 
@@ -48,20 +52,54 @@ def _lora_parts(module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
         return []
     if getattr(module, "merged", False):
         return []
-    parts = []
-    for name in module.active_adapters:
-        if name in module.lora_A:
-            parts.append((module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name]))
-    return parts
+    return [
+        (module.lora_A[n].weight, module.lora_B[n].weight, module.scaling[n])
+        for n in module.active_adapters
+        if n in module.lora_A
+    ]
+
+
+def _base(module):
+    return getattr(module, "base_layer", module)
+
+
+def lora_delta(module, x: torch.Tensor) -> torch.Tensor | None:
+    """Sum of the module's active LoRA updates for input x, or None without LoRA."""
+    out = None
+    for a, b, scaling in _lora_parts(module):
+        d = inv.linear(inv.linear(x, a), b) * scaling
+        out = d if out is None else out + d
+    return out
 
 
 def apply_linear(module, x: torch.Tensor) -> torch.Tensor:
-    """A (possibly LoRA-wrapped) nn.Linear, computed row-invariantly; same order of ops as peft."""
-    base = getattr(module, "base_layer", module)
+    """A (possibly LoRA-wrapped) nn.Linear, computed row-invariantly."""
+    base = _base(module)
     y = inv.linear(x, base.weight, base.bias)
-    for a, b, scaling in _lora_parts(module):
-        y = y + inv.linear(inv.linear(x, a), b) * scaling
-    return y
+    d = lora_delta(module, x)
+    return y if d is None else y + d
+
+
+def apply_fused(modules, fused: tuple[torch.Tensor, torch.Tensor | None], x: torch.Tensor) -> torch.Tensor:
+    """Several linears over the same x as one matmul; LoRA updates are added per slice."""
+    y = inv.linear(x, *fused)
+    deltas = [lora_delta(m, x) for m in modules]
+    if all(d is None for d in deltas):
+        return y
+    parts = [
+        d if d is not None else x.new_zeros(*x.shape[:-1], _base(m).weight.shape[0])
+        for m, d in zip(modules, deltas)
+    ]
+    return y + torch.cat(parts, dim=-1)
+
+
+def _fuse(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
+    bases = [_base(m) for m in modules]
+    weight = torch.cat([b.weight for b in bases], dim=0)
+    if all(b.bias is None for b in bases):
+        return weight, None
+    bias = torch.cat([b.bias if b.bias is not None else b.weight.new_zeros(b.weight.shape[0]) for b in bases])
+    return weight, bias
 
 
 class InvariantLM:
@@ -69,9 +107,7 @@ class InvariantLM:
 
     def __init__(self, hf_model):
         self.hf_model = hf_model  # a PreTrainedModel or a peft PeftModel around one
-        causal = hf_model
-        if hasattr(hf_model, "peft_config"):
-            causal = hf_model.base_model.model
+        causal = hf_model.base_model.model if hasattr(hf_model, "peft_config") else hf_model
         self.causal = causal
         self.config = causal.config
         self.inner = causal.model
@@ -87,8 +123,9 @@ class InvariantLM:
         self._inv_freq = rotary.inv_freq.detach().float().clone()
         self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         self._rope_table = (torch.empty(0, self.head_dim), torch.empty(0, self.head_dim))
+        self._fused_cache: dict[tuple, tuple] = {}
 
-    # -- tables and caches -------------------------------------------------------------------
+    # -- tables, fused weights, caches ---------------------------------------------------------
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for the given positions, from a table that is only ever extended."""
         need = int(positions.max()) + 1 if positions.numel() else 1
@@ -101,13 +138,23 @@ class InvariantLM:
             cos, sin = self._rope_table
         return cos[positions], sin[positions]
 
+    def fused(self, key: str, modules) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if torch.is_grad_enabled():
+            return _fuse(modules)
+        params = [p for m in modules for p in (_base(m).weight, _base(m).bias) if p is not None]
+        stamp = tuple((id(p), p._version) for p in params)
+        hit = self._fused_cache.get(key)
+        if hit is None or hit[0] != stamp:
+            hit = (stamp, tuple(t.detach() if t is not None else None for t in _fuse(modules)))
+            self._fused_cache[key] = hit
+        return hit[1]
+
     def new_cache(self, batch: int, capacity: int) -> KVCache:
-        L = round_up(max(capacity, 1), KEY_BLOCK)
-        shape = (batch, self.num_kv_heads, L, self.head_dim)
+        shape = (batch, self.num_kv_heads, round_up(max(capacity, 1), KEY_BLOCK), self.head_dim)
         k = [torch.zeros(shape) for _ in self.inner.layers]
         v1 = []
         for _ in self.inner.layers:
-            v = torch.zeros(batch, self.num_kv_heads, L, self.head_dim + 1)
+            v = torch.zeros(*shape[:-1], self.head_dim + 1)
             v[..., -1] = 1.0
             v1.append(v)
         return KVCache(k, v1)
@@ -133,13 +180,14 @@ class InvariantLM:
                 tokens_BT = F.pad(tokens_BT, (0, T_pad - T))
             positions_BT = torch.arange(T_pad).expand(B, T_pad)
         cos, sin = self.rope(positions_BT)  # (B, T', D)
+        kv_len = round_up(int(positions_BT.max()) + 1, KEY_BLOCK)
+        ctx = _AttnContext.build(positions_BT, self.group, kv_len, cos, sin, cache)
         x = F.embedding(tokens_BT, self.inner.embed_tokens.weight)
-        kv_len = int(positions_BT.max()) + 1
         for i, layer in enumerate(self.inner.layers):
             h = inv.rms_norm(x, layer.input_layernorm.weight, self.eps)
-            x = x + self._attention(layer.self_attn, h, positions_BT, cos, sin, cache, i, kv_len)
+            x = x + self._attention(i, layer.self_attn, h, ctx)
             h = inv.rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
-            x = x + self._mlp(layer.mlp, h)
+            x = x + self._mlp(i, layer.mlp, h)
         x = inv.rms_norm(x, self.inner.norm.weight, self.eps)
         return x[:, :T]
 
@@ -151,38 +199,65 @@ class InvariantLM:
         lp = inv.log_softmax(self.logits(hidden))
         return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
-    def _mlp(self, mlp, h: torch.Tensor) -> torch.Tensor:
-        gate = inv.silu(apply_linear(mlp.gate_proj, h))
-        return apply_linear(mlp.down_proj, gate * apply_linear(mlp.up_proj, h))
+    def _mlp(self, i: int, mlp, h: torch.Tensor) -> torch.Tensor:
+        mods = (mlp.gate_proj, mlp.up_proj)
+        gate, up = apply_fused(mods, self.fused(f"mlp{i}", mods), h).chunk(2, dim=-1)
+        return apply_linear(mlp.down_proj, inv.silu(gate) * up)
 
-    def _attention(self, attn, h, positions_BT, cos, sin, cache, layer_idx, kv_len) -> torch.Tensor:
+    def _attention(self, i: int, attn, h: torch.Tensor, ctx: "_AttnContext") -> torch.Tensor:
         B, T, _ = h.shape
-        Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
-        q = apply_linear(attn.q_proj, h).view(B, T, Hkv, G, D)
-        k = apply_linear(attn.k_proj, h).view(B, T, Hkv, D)
-        v = apply_linear(attn.v_proj, h).view(B, T, Hkv, D)
+        Hq, Hkv, G, D = self.num_heads, self.num_kv_heads, self.group, self.head_dim
+        mods = (attn.q_proj, attn.k_proj, attn.v_proj)
+        qkv = apply_fused(mods, self.fused(f"attn{i}", mods), h).view(B, T, Hq + 2 * Hkv, D)
+        qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
-            q = inv.rms_norm(q, attn.q_norm.weight, self.eps)
-            k = inv.rms_norm(k, attn.k_norm.weight, self.eps)
-        q = inv.apply_rope(q, cos[:, :, None, None], sin[:, :, None, None])
-        k = inv.apply_rope(k, cos[:, :, None], sin[:, :, None])
-        if cache is None:
-            keys = k.transpose(1, 2)
-            values = torch.cat([v, v.new_ones(B, T, Hkv, 1)], dim=-1).transpose(1, 2)
-        else:
-            keys, values = cache.k[layer_idx], cache.v1[layer_idx]
-            b_idx = torch.arange(B).unsqueeze(1).expand(B, T)
-            keys[b_idx, :, positions_BT] = k
-            values[b_idx, :, positions_BT, :D] = v
-        # Query rows are (group head, position) per KV head, padded to ROW_TILE.
-        rows = G * T
-        R = round_up(rows, ROW_TILE)
-        q_rows = q.permute(0, 2, 3, 1, 4).reshape(B, Hkv, rows, D)
-        qpos = positions_BT.unsqueeze(1).expand(B, G, T).reshape(B, rows)
-        if R != rows:
-            q_rows = F.pad(q_rows, (0, 0, 0, R - rows))
-            qpos = F.pad(qpos, (0, R - rows))
-        num_blocks = -(-kv_len // KEY_BLOCK)
-        out = inv.blocked_attention(q_rows, qpos, keys, values, num_blocks, self.scale)
-        out = out[:, :, :rows].reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hkv * G * D)
+            qk = torch.cat(
+                [inv.rms_norm(qk[:, :, :Hq], attn.q_norm.weight, self.eps),
+                 inv.rms_norm(qk[:, :, Hq:], attn.k_norm.weight, self.eps)], dim=2,
+            )
+        qk = inv.apply_rope(qk, ctx.cos, ctx.sin)
+        q, k = qk[:, :, :Hq] * self.scale, qk[:, :, Hq:]
+        keys, values = ctx.keys_values(i, k, v)
+        # Query rows per KV head: (group head, position), padded to ROW_TILE.
+        q_rows = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+        if ctx.rows_padded != G * T:
+            q_rows = F.pad(q_rows, (0, 0, 0, ctx.rows_padded - G * T))
+        out = inv.attention(q_rows, keys, values, ctx.mask)[:, :, : G * T]
+        out = out.reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq * D)
         return apply_linear(attn.o_proj, out)
+
+
+@dataclass
+class _AttnContext:
+    """What every layer's attention shares in one forward: rope rows, mask, cache addressing."""
+
+    cos: torch.Tensor  # (B, T, 1, D)
+    sin: torch.Tensor
+    mask: torch.Tensor  # (B, 1, R, L) bool: key visible to query row
+    rows_padded: int
+    kv_len: int
+    cache: KVCache | None
+    write_at: tuple[torch.Tensor, torch.Tensor] | None  # batch and slot indices (B, T)
+
+    @staticmethod
+    def build(positions_BT, group, kv_len, cos, sin, cache) -> "_AttnContext":
+        B, T = positions_BT.shape
+        R = round_up(group * T, ROW_TILE)
+        qpos = positions_BT.unsqueeze(1).expand(B, group, T).reshape(B, group * T)
+        qpos = F.pad(qpos, (0, R - group * T))  # padded rows sit at position 0: key 0 is visible
+        mask = torch.arange(kv_len).view(1, 1, 1, kv_len) <= qpos.view(B, 1, R, 1)
+        write_at = None
+        if cache is not None:
+            write_at = (torch.arange(B).unsqueeze(1).expand(B, T), positions_BT)
+        return _AttnContext(cos.unsqueeze(2), sin.unsqueeze(2), mask, R, kv_len, cache, write_at)
+
+    def keys_values(self, layer: int, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor):
+        """Keys (B, H, L, D) and ones-augmented values (B, H, L, D+1) to attend over."""
+        if self.cache is None:
+            v1 = torch.cat([v_BTHD, v_BTHD.new_ones(*v_BTHD.shape[:-1], 1)], dim=-1)
+            return k_BTHD.transpose(1, 2), v1.transpose(1, 2)
+        b_idx, slot = self.write_at
+        ck, cv = self.cache.k[layer], self.cache.v1[layer]
+        ck[b_idx, :, slot] = k_BTHD
+        cv[b_idx, :, slot, :-1] = v_BTHD
+        return ck[:, :, : self.kv_len], cv[:, :, : self.kv_len]

@@ -1,0 +1,140 @@
+"""`lockstep check consistency`: measure sampler-vs-trainer logprob agreement.
+
+For a mixed workload (prompt lengths 1..48; batches of 1, 7 and 64; LoRA off and on), the
+sampler decodes with a KV cache in one thread while the trainer recomputes every sampled token's
+logprob with its full-sequence forward in all threads, on a separate copy of the weights (as after
+a weight publish). The same is measured for plain transformers (`generate` with
+`output_logits` against a padded full forward) as the comparison.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from lockstep.engine.model import InvariantLM
+from lockstep.engine.sampler import Sampler
+from lockstep.engine.trainer import Trainer
+from lockstep.engine.types import Datum, LoraSpec, SampleRequest, SamplingParams
+
+BATCH_SIZES = (1, 7, 64)
+
+
+@dataclass
+class Tally:
+    """Running comparison of two logprob streams."""
+
+    compared: int = 0
+    equal: int = 0
+    max_abs: float = 0.0
+    sum_abs: float = 0.0
+    cases: list = field(default_factory=list)
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, float]:
+        diff = (a.double() - b.double()).abs()
+        n, eq, mx = diff.numel(), int((a == b).sum()), float(diff.max()) if diff.numel() else 0.0
+        self.compared += n
+        self.equal += eq
+        self.max_abs = max(self.max_abs, mx)
+        self.sum_abs += float(diff.sum())
+        return n, eq, mx
+
+    def summary(self) -> dict:
+        return {
+            "tokens_compared": self.compared,
+            "tokens_bitwise_equal": self.equal,
+            "max_abs_diff": self.max_abs,
+            "mean_abs_diff": self.sum_abs / max(self.compared, 1),
+        }
+
+
+def _prompts(rng: random.Random, n: int, vocab: int) -> list[tuple[int, ...]]:
+    lengths = [rng.choice((1, 2, 5, 9, 17, 31, 48)) for _ in range(n)]
+    return [tuple(rng.randrange(4, vocab) for _ in range(k)) for k in lengths]
+
+
+def _perturb_lora(trainer: Trainer, seed: int) -> None:
+    """A fresh adapter has B = 0 (a no-op); give it real weights so that LoRA changes logprobs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in trainer.params.items():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def _invariant_case(trainer: Trainer, prompts, max_tokens: int, seed: int, tally: Tally) -> dict:
+    sampler_model = InvariantLM(copy.deepcopy(trainer.hf_model))  # a published copy
+    sampler = Sampler(sampler_model, trainer.tokenizer)
+    params = SamplingParams(max_tokens=max_tokens, seed=seed, stop=())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = sampler.sample([SampleRequest(p, params) for p in prompts])
+    finally:
+        torch.set_num_threads(threads)
+    data, sampled = [], []
+    for p, r in zip(prompts, results):
+        seq = r.sequences[0]
+        full = list(p) + list(seq.tokens)
+        weights = [0.0] * (len(p) - 1) + [1.0] * len(seq.tokens)
+        data.append(Datum.from_tokens(full, weights))
+        sampled.append(torch.tensor(seq.logprobs, dtype=torch.float32))
+    out = trainer.forward(data)
+    trained = [torch.from_numpy(o["logprobs"][len(p) - 1 :]) for o, p in zip(out.loss_fn_outputs, prompts)]
+    n, eq, mx = tally.add(torch.cat(sampled), torch.cat(trained))
+    return {"tokens": n, "equal": eq, "max_abs_diff": mx}
+
+
+def _hf_case(hf_model, prompts, max_tokens: int, seed: int, pad_id: int, tally: Tally) -> dict:
+    """Plain transformers: generate (left-padded, KV cache) vs a right-padded full forward."""
+    B, T = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, T), pad_id)
+    att = torch.zeros(B, T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p) :] = torch.tensor(p)
+        att[i, T - len(p) :] = 1
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        gen = hf_model.generate(
+            input_ids=ids, attention_mask=att, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+            max_new_tokens=max_tokens, min_new_tokens=max_tokens, output_logits=True,
+            return_dict_in_generate=True, pad_token_id=pad_id,
+        )
+        new = gen.sequences[:, T:]
+        logits = torch.stack(gen.logits, dim=1).float()
+        sampled = torch.log_softmax(logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        L = T + max_tokens
+        full = torch.full((B, L), pad_id)
+        fatt = torch.zeros(B, L, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            seq = list(p) + new[i].tolist()
+            full[i, : len(seq)] = torch.tensor(seq)
+            fatt[i, : len(seq)] = 1
+        lp = torch.log_softmax(hf_model(input_ids=full, attention_mask=fatt).logits.float(), -1)
+        trained = torch.stack([
+            lp[i, len(p) - 1 : len(p) - 1 + max_tokens].gather(-1, new[i].unsqueeze(-1)).squeeze(-1)
+            for i, p in enumerate(prompts)
+        ])
+    n, eq, mx = tally.add(sampled.flatten(), trained.flatten())
+    return {"tokens": n, "equal": eq, "max_abs_diff": mx}
+
+
+def run(model_dir: str, *, seed: int = 0, max_tokens: int = 16, lora_rank: int = 8) -> dict:
+    """Run the workload; return the summary dict (see module docstring)."""
+    rng = random.Random(seed)
+    ours, hf = Tally(), Tally()
+    for lora_on in (False, True):
+        trainer = Trainer.from_pretrained(model_dir, lora=LoraSpec(rank=lora_rank, seed=seed) if lora_on else None)
+        if lora_on:
+            _perturb_lora(trainer, seed)
+        plain = copy.deepcopy(trainer.hf_model)
+        pad = trainer.tokenizer.pad_token_id if trainer.tokenizer.pad_token_id is not None else 0
+        for bs in BATCH_SIZES:
+            prompts = _prompts(rng, bs, trainer.vocab_size)
+            case = {"lora": lora_on, "batch": bs}
+            ours.cases.append({**case, **_invariant_case(trainer, prompts, max_tokens, seed + bs, ours)})
+            hf.cases.append({**case, **_hf_case(plain, prompts, max_tokens, seed + bs, pad, hf)})
+    return {**ours.summary(), "cases": ours.cases, "hf": {**hf.summary(), "cases": hf.cases}}

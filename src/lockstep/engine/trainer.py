@@ -1,0 +1,152 @@
+"""Trainer primitives with Tinker semantics: forward, forward_backward, optim_step, state I/O.
+
+Gradients accumulate across forward_backward calls until optim_step, as in Tinker. Every loss is
+summed over tokens. The forward is `InvariantLM`'s, the same one the sampler runs, so the
+logprobs returned here equal the sampler's bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from lockstep.engine import lora as lora_mod
+from lockstep.engine import state as state_mod
+from lockstep.engine.batching import Batch, make_batch
+from lockstep.engine.loading import load_model
+from lockstep.engine.model import InvariantLM
+from lockstep.engine.types import AdamParams, Datum, EngineError, ForwardBackwardOutput, LoraSpec
+from lockstep.losses import LossInputs, compute_loss
+
+
+class Trainer:
+    """Owns a model's trainable parameters, its AdamW state, and the step counter."""
+
+    def __init__(self, hf_model, tokenizer, *, base_model: str, lora: LoraSpec | None = None):
+        self.base_model = str(base_model)
+        self.lora = lora
+        self.tokenizer = tokenizer
+        self.hf_model = lora_mod.attach(hf_model, lora) if lora is not None else hf_model
+        self.model = InvariantLM(self.hf_model)
+        self.vocab_size = self.model.config.vocab_size
+        self.params = dict(sorted((n, p) for n, p in self.hf_model.named_parameters() if p.requires_grad))
+        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=1e-4, foreach=False)
+        self.step = 0
+        self.data_position: dict | int | None = None
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, *, lora: LoraSpec | None = None) -> "Trainer":
+        hf_model, tokenizer = load_model(model_dir)
+        return cls(hf_model, tokenizer, base_model=str(model_dir), lora=lora)
+
+    @classmethod
+    def from_state(cls, path: str | Path, *, optimizer: bool = True) -> "Trainer":
+        """Rebuild the trainer a checkpoint came from (base model + LoRA shape), then load it."""
+        meta = state_mod.read_meta(path)
+        lora = LoraSpec(**meta["lora"]) if meta.get("lora") else None
+        trainer = cls.from_pretrained(meta["base_model"], lora=lora)
+        trainer.load_state(path, optimizer=optimizer)
+        return trainer
+
+    # -- forward -----------------------------------------------------------------------------
+    def _logprobs(self, batch: Batch) -> torch.Tensor:
+        """Learner log p(target) at every valid position, flattened over datums."""
+        hidden = self.model.hidden_states(batch.tokens_BT)
+        lp_BT = self.model.logprobs_of(hidden, batch.targets_BT)
+        return lp_BT[batch.valid_BT]
+
+    def _loss(self, batch: Batch, lp_T: torch.Tensor, loss_fn: str, config: Mapping[str, float]):
+        f = batch.floats
+        segment = torch.repeat_interleave(torch.arange(len(batch.lengths)), torch.tensor(batch.lengths))
+        zeros, ones = torch.zeros_like(lp_T), torch.ones_like(lp_T)
+        inputs = LossInputs(
+            logprobs_T=lp_T,
+            sampler_logprobs_T=f.get("logprobs", zeros),
+            advantages_T=f.get("advantages", zeros),
+            weights_T=f.get("weights", ones),
+            mask_T=f.get("sequence_ratio_mask", ones),
+            segment_T=segment,
+            num_segments=len(batch.lengths),
+            clip_low_T=f.get("clip_low_threshold"),
+            clip_high_T=f.get("clip_high_threshold"),
+        )
+        return compute_loss(loss_fn, inputs, dict(config or {}))
+
+    def _outputs(self, batch: Batch, lp_T, elementwise_T, metrics, loss) -> ForwardBackwardOutput:
+        outs, start = [], 0
+        lp = lp_T.detach().numpy()
+        el = elementwise_T.detach().numpy()
+        for n in batch.lengths:
+            outs.append({"logprobs": lp[start : start + n].copy(), "elementwise_loss": el[start : start + n].copy()})
+            start += n
+        merged = {"loss:sum": float(loss)}
+        merged.update(metrics)
+        return ForwardBackwardOutput(tuple(outs), merged)
+
+    def forward(self, data: Sequence[Datum], loss_fn: str = "cross_entropy", loss_fn_config=None) -> ForwardBackwardOutput:
+        """Logprobs and loss without touching gradients."""
+        batch = make_batch(data, self.vocab_size)
+        with torch.no_grad():
+            lp_T = self._logprobs(batch)
+            elementwise, metrics = self._loss(batch, lp_T, loss_fn, loss_fn_config)
+        return self._outputs(batch, lp_T, elementwise, metrics, elementwise.sum())
+
+    def forward_backward(self, data: Sequence[Datum], loss_fn: str, loss_fn_config=None) -> ForwardBackwardOutput:
+        """Accumulate gradients of sum(elementwise loss); returns per-datum logprobs and metrics."""
+        batch = make_batch(data, self.vocab_size)
+        with torch.enable_grad():
+            lp_T = self._logprobs(batch)
+            elementwise, metrics = self._loss(batch, lp_T, loss_fn, loss_fn_config)
+            loss = elementwise.sum()
+            if not torch.isfinite(loss):
+                raise EngineError(f"loss is {float(loss)}; gradients were not applied")
+            loss.backward()
+        return self._outputs(batch, lp_T, elementwise, metrics, loss.detach())
+
+    # -- optimizer ---------------------------------------------------------------------------
+    def optim_step(self, adam: AdamParams = AdamParams()) -> dict[str, float]:
+        """One AdamW step with these hyperparameters on the accumulated gradients, then zero them."""
+        params = list(self.params.values())
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise EngineError("gradient norm is not finite; the step was skipped and gradients cleared")
+        if adam.grad_clip_norm > 0 and grads:
+            torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm, foreach=False)
+        for group in self.optimizer.param_groups:
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                         weight_decay=adam.weight_decay)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate, "step:max": float(self.step)}
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # -- state -------------------------------------------------------------------------------
+    def save_state(self, path: str | Path, *, data_position=None, overwrite: bool = False) -> Path:
+        """Weights, optimizer, RNG, step and data position, written atomically (safetensors only)."""
+        if data_position is not None:
+            self.data_position = data_position
+        return state_mod.save_state(self, path, overwrite=overwrite)
+
+    def load_state(self, path: str | Path, *, optimizer: bool = True) -> dict:
+        """Load a checkpoint written by save_state; verifies the manifest before touching anything."""
+        return state_mod.load_state(self, path, optimizer=optimizer)
+
+    def save_weights_for_sampler(self, path: str | Path, *, kind: str = "merged", overwrite: bool = False) -> Path:
+        """Export an HF directory (kind="merged") or a PEFT adapter (kind="adapter", LoRA only)."""
+        return lora_mod.export(self, path, kind=kind, overwrite=overwrite)
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.params.items()}
+
+    def weights_numpy(self) -> dict[str, np.ndarray]:
+        """A copy of the trainable weights as NumPy arrays (for publishing and tests)."""
+        return {n: p.detach().numpy().copy() for n, p in self.params.items()}

@@ -1,0 +1,62 @@
+"""The numerical facts the invariant forward relies on, re-checked on this machine's torch/MKL.
+
+If one of these fails on a new platform, the invariant forward is not bitwise there; the
+consistency check would show it too, but this names the broken rule.
+"""
+
+import torch
+
+from lockstep.engine import invariant as inv
+
+
+def _row_of(fn, x, M, pos):
+    A = torch.randn(M, x.shape[0])
+    A[pos] = x
+    return fn(A)[pos]
+
+
+def test_linear_rows_invariant_to_batch_and_threads():
+    torch.manual_seed(0)
+    W, b = torch.randn(96, 64), torch.randn(96)
+    x = torch.randn(64)
+    outs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for M in (1, 2, 3, 7, 8, 9, 31, 64, 257):
+            for pos in {0, M // 2, M - 1}:
+                outs.append(_row_of(lambda A: inv.linear(A, W, b), x, M, pos))
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_plain_mm_is_not_row_invariant_without_padding():
+    """Why linear pads rows: MKL takes another kernel for M < 4."""
+    torch.manual_seed(0)
+    W, x = torch.randn(96, 64), torch.randn(64)
+    single = (x[None] @ W.t())[0]
+    batched = _row_of(lambda A: A @ W.t(), x, 64, 5)
+    assert not torch.equal(single, batched)
+
+
+def test_composed_silu_and_rmsnorm_agree_between_vector_and_scalar_paths():
+    torch.manual_seed(0)
+    x = torch.randn(4099) * 4
+    full = inv.silu(x)
+    pieces = torch.cat([inv.silu(x[i : i + 3]) for i in range(0, 4099, 3)])
+    assert torch.equal(full, pieces)
+    w = torch.randn(64)
+    rows = torch.randn(37, 64)
+    norm = inv.rms_norm(rows, w, 1e-6)
+    assert all(torch.equal(norm[i], inv.rms_norm(rows[i : i + 1], w, 1e-6)[0]) for i in range(37))
+
+
+def test_attention_invariant_to_key_length_past_visible_keys():
+    torch.manual_seed(0)
+    B, H, R, D = 3, 2, 8, 16
+    q = torch.randn(B, H, R, D)
+    k, v = torch.randn(B, H, 512, D), torch.randn(B, H, 512, D + 1)
+    qpos = torch.randint(0, 40, (B, R))
+    outs = []
+    for L in (64, 96, 256, 512):
+        mask = torch.arange(L).view(1, 1, 1, L) <= qpos.view(B, 1, R, 1)
+        outs.append(inv.attention(q, k[:, :, :L], v[:, :, :L], mask))
+    assert all(torch.equal(o, outs[0]) for o in outs)
