@@ -1,0 +1,160 @@
+"""Sampler behaviour a user relies on: parameters, stops, seeds, prefix sharing, consistency."""
+
+import math
+
+import pytest
+import torch
+
+from lockstep.engine.loading import load_model
+from lockstep.engine.model import InvariantLM
+from lockstep.engine.sampler import Sampler
+from lockstep.engine.types import EngineError, SampleRequest, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def sampler(qwen2_dir):
+    hf, tok = load_model(qwen2_dir)
+    return Sampler(InvariantLM(hf), tok)
+
+
+def _trainer_logprobs(model, prompt, tokens):
+    full = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        lp = model.logprobs_of(model.hidden_states(full[:, :-1]), full[:, 1:])[0]
+    return lp
+
+
+def req(prompt, n=1, **kw):
+    return SampleRequest(tuple(prompt), SamplingParams(**kw), num_samples=n)
+
+
+def test_seeded_samples_are_reproducible_and_batch_independent(sampler):
+    a = sampler.sample([req([5, 6, 7], n=3, max_tokens=12, seed=11, stop=())])[0]
+    other = req([9] * 20, n=5, max_tokens=4, seed=1)
+    b = sampler.sample([other, req([5, 6, 7], n=3, max_tokens=12, seed=11, stop=())])[1]
+    assert a.sequences == b.sequences
+    assert len({s.tokens for s in a.sequences}) > 1  # the n samples differ from each other
+    c = sampler.sample([req([5, 6, 7], n=3, max_tokens=12, seed=12, stop=())])[0]
+    assert c.sequences != a.sequences
+
+
+def test_logprobs_equal_trainer_forward_bitwise(sampler):
+    prompts = [[5 + i] * (1 + 3 * i) for i in range(7)]
+    results = sampler.sample([req(p, n=2, max_tokens=10, seed=i, stop=()) for i, p in enumerate(prompts)])
+    for p, r in zip(prompts, results):
+        for s in r.sequences:
+            lp = _trainer_logprobs(sampler.model, p, s.tokens)[len(p) - 1 :]
+            assert lp.tolist() == list(s.logprobs)
+
+
+def test_prompt_logprobs_match_trainer(sampler):
+    prompt = list(range(20, 45))
+    r = sampler.sample([SampleRequest(tuple(prompt), SamplingParams(max_tokens=1, seed=0), prompt_logprobs=True)])[0]
+    assert math.isnan(r.prompt_logprobs[0]) and len(r.prompt_logprobs) == len(prompt)
+    lp = _trainer_logprobs(sampler.model, prompt[:-1], prompt[-1:])
+    assert list(r.prompt_logprobs[1:]) == lp.tolist()
+
+
+def test_max_tokens_and_length_reason(sampler):
+    s = sampler.sample([req([5], max_tokens=7, seed=0, stop=())])[0].sequences[0]
+    assert len(s.tokens) == 7 and len(s.logprobs) == 7 and s.stop_reason == "length"
+    assert s.policy_version == 0
+
+
+def test_stop_token_is_included_and_ends_sample(sampler):
+    free = sampler.sample([req([5, 6], max_tokens=30, seed=3, stop=())])[0].sequences[0]
+    target = free.tokens[4]
+    first = free.tokens.index(target)
+    s = sampler.sample([req([5, 6], max_tokens=30, seed=3, stop=(target,))])[0].sequences[0]
+    assert s.tokens == free.tokens[: first + 1] and s.stop_reason == "stop"
+
+
+def test_stop_string_is_included_and_ends_sample(sampler):
+    free = sampler.sample([req([5, 6], max_tokens=40, seed=4, stop=())])[0].sequences[0]
+    text = sampler.tokenizer.decode(free.tokens[:6])
+    stop = text[-2:]
+    s = sampler.sample([req([5, 6], max_tokens=40, seed=4, stop=(stop,))])[0].sequences[0]
+    assert s.stop_reason == "stop"
+    assert sampler.tokenizer.decode(s.tokens).endswith(stop)
+    assert s.tokens == free.tokens[: len(s.tokens)] and len(s.tokens) <= 6
+
+
+def test_eos_stops_unless_stop_is_empty(sampler, monkeypatch):
+    free = sampler.sample([req([5, 6], max_tokens=12, seed=0, stop=())])[0].sequences[0]
+    eos = free.tokens[3]  # pretend this token is EOS, so that it is sampled for sure
+    monkeypatch.setattr(sampler, "eos_id", eos)
+    stopped = sampler.sample([req([5, 6], max_tokens=12, seed=0)])[0].sequences[0]
+    assert stopped.tokens == free.tokens[: free.tokens.index(eos) + 1] and stopped.stop_reason == "stop"
+    with_stops = sampler.sample([req([5, 6], max_tokens=12, seed=0, stop=("@@@",))])[0].sequences[0]
+    assert with_stops.tokens == stopped.tokens  # EOS still ends generation beside explicit stops
+    unstoppable = sampler.sample([req([5, 6], max_tokens=12, seed=0, stop=())])[0].sequences[0]
+    assert unstoppable.tokens == free.tokens and unstoppable.stop_reason == "length"
+
+
+def test_greedy_is_argmax_and_top_k_1_matches(sampler):
+    g = sampler.sample([req([7, 8, 9], max_tokens=8, temperature=0.0, stop=())])[0].sequences[0]
+    k1 = sampler.sample([req([7, 8, 9], max_tokens=8, top_k=1, seed=5, stop=())])[0].sequences[0]
+    assert g.tokens == k1.tokens
+    assert all(lp == 0.0 for lp in k1.logprobs)  # the truncated distribution is a point mass
+    lp = _trainer_logprobs(sampler.model, [7, 8, 9], g.tokens)[2:]
+    assert lp.tolist() == list(g.logprobs)  # greedy reports the model's log p
+
+
+def test_top_p_and_temperature_report_the_sampled_distribution(sampler):
+    prompt = [10, 11, 12]
+    s = sampler.sample([req(prompt, max_tokens=1, temperature=0.5, top_p=0.3, seed=9)])[0].sequences[0]
+    with torch.no_grad():
+        h = sampler.model.hidden_states(torch.tensor([prompt]))
+        logits = sampler.model.logits(h)[0, -1] / 0.5
+    probs = torch.softmax(logits, -1)
+    order = probs.argsort(descending=True)
+    kept, mass = [], 0.0
+    for t in order.tolist():
+        if mass >= 0.3:
+            break
+        kept.append(t)
+        mass += float(probs[t])
+    assert s.tokens[0] in kept
+    expected = torch.log_softmax(logits[kept], -1)[kept.index(s.tokens[0])]
+    assert abs(s.logprobs[0] - float(expected)) < 1e-5
+
+
+def test_top_k_restricts_choices(sampler):
+    prompt = [13, 14]
+    with torch.no_grad():
+        logits = sampler.model.logits(sampler.model.hidden_states(torch.tensor([prompt])))[0, -1]
+    top3 = set(logits.topk(3).indices.tolist())
+    r = sampler.sample([req(prompt, n=40, max_tokens=1, top_k=3, seed=1)])[0]
+    chosen = {s.tokens[0] for s in r.sequences}
+    assert chosen <= top3 and len(chosen) > 1
+
+
+def test_prefix_is_prefilled_once_per_request(sampler, monkeypatch):
+    calls = []
+    real = sampler.model.hidden_states
+
+    def spy(tokens, positions=None, cache=None):
+        calls.append(tuple(tokens.shape))
+        return real(tokens, positions, cache)
+
+    monkeypatch.setattr(sampler.model, "hidden_states", spy)
+    sampler.sample([req(list(range(4, 30)), n=8, max_tokens=3, seed=0, stop=())])
+    assert calls[0] == (1, 26)  # one prefill row for 8 samples
+    assert all(shape[1] == 1 for shape in calls[1:])  # then single-token decode steps
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: req([5, 999999], max_tokens=2), "outside the vocabulary"),
+        (lambda: req([5], max_tokens=2, stop=(123456,)), "outside the vocabulary"),
+        (lambda: req([5], max_tokens=0), "max_tokens"),
+        (lambda: req([5], top_p=0.0), "top_p"),
+        (lambda: req([5], top_k=0), "top_k"),
+        (lambda: req([5], temperature=-1.0), "temperature"),
+        (lambda: SampleRequest(()), "at least one token"),
+    ],
+)
+def test_bad_requests_raise_clear_errors(sampler, build, match):
+    with pytest.raises(EngineError, match=match):
+        sampler.sample([build()])
