@@ -7,7 +7,7 @@ reader never sees a half-written model directory.
 from __future__ import annotations
 
 import copy
-import tempfile
+import shutil
 from pathlib import Path
 
 import torch
@@ -39,13 +39,15 @@ def attach(hf_model, spec: LoraSpec):
         return get_peft_model(hf_model, config)
 
 
-def _write_dir(path: Path, overwrite: bool, fill) -> Path:
+def _write_dir(path: Path, overwrite: bool, fill, meta: dict) -> Path:
     """Let `fill(tmp_dir)` write files, then commit the directory atomically at `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    fill(tmp)
-    return checkpoint_io.commit_directory(tmp, path, overwrite=overwrite)
+    tmp = checkpoint_io.staging_directory(path)
+    try:
+        fill(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return checkpoint_io.commit_directory(tmp, path, meta=meta, overwrite=overwrite)
 
 
 def export(trainer, path, *, kind: str = "merged", overwrite: bool = False) -> Path:
@@ -66,4 +68,5 @@ def export(trainer, path, *, kind: str = "merged", overwrite: bool = False) -> P
             plain.save_pretrained(tmp, safe_serialization=True)
         trainer.tokenizer.save_pretrained(tmp)
 
-    return _write_dir(path, overwrite, fill)
+    meta = {"format": "lockstep-export", "kind": kind, "base_model": trainer.base_model, "step": trainer.step}
+    return _write_dir(path, overwrite, fill, meta)
