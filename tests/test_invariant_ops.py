@@ -57,6 +57,7 @@ def test_attention_invariant_to_key_length_past_visible_keys():
     qpos = torch.randint(0, 40, (B, R))
     outs = []
     for L in (64, 96, 256, 512):
-        mask = torch.arange(L).view(1, 1, 1, L) <= qpos.view(B, 1, R, 1)
-        outs.append(inv.attention(q, k[:, :, :L], v[:, :, :L], mask))
+        hidden = torch.arange(L).view(1, 1, 1, L) > qpos.view(B, 1, R, 1)
+        bias = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+        outs.append(inv.attention(q, k[:, :, :L], v[:, :, :L], bias))
     assert all(torch.equal(o, outs[0]) for o in outs)

@@ -138,16 +138,29 @@ class InvariantLM:
             cos, sin = self._rope_table
         return cos[positions], sin[positions]
 
+    def _fused_groups(self):
+        for i, layer in enumerate(self.inner.layers):
+            yield f"attn{i}", (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+            yield f"mlp{i}", (layer.mlp.gate_proj, layer.mlp.up_proj)
+
+    def _refresh_fused(self) -> None:
+        """Outside autograd, (re)build the fused weights once per forward if any base weight moved.
+
+        Parameters' in-place version counters change on every optimizer step or weight load, so
+        a stale fused copy is impossible without anyone having to invalidate it by hand.
+        """
+        params = [p for _, mods in self._fused_groups() for m in mods for p in (_base(m).weight, _base(m).bias)
+                  if p is not None]
+        stamp = tuple((id(p), p._version) for p in params)
+        if self._fused_cache.get("__stamp__") != stamp:
+            self._fused_cache = {key: tuple(t.detach() if t is not None else None for t in _fuse(mods))
+                                 for key, mods in self._fused_groups()}
+            self._fused_cache["__stamp__"] = stamp
+
     def fused(self, key: str, modules) -> tuple[torch.Tensor, torch.Tensor | None]:
         if torch.is_grad_enabled():
-            return _fuse(modules)
-        params = [p for m in modules for p in (_base(m).weight, _base(m).bias) if p is not None]
-        stamp = tuple((id(p), p._version) for p in params)
-        hit = self._fused_cache.get(key)
-        if hit is None or hit[0] != stamp:
-            hit = (stamp, tuple(t.detach() if t is not None else None for t in _fuse(modules)))
-            self._fused_cache[key] = hit
-        return hit[1]
+            return _fuse(modules)  # differentiable: gradients flow back into each projection
+        return self._fused_cache[key]
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         shape = (batch, self.num_kv_heads, round_up(max(capacity, 1), KEY_BLOCK), self.head_dim)
@@ -175,21 +188,19 @@ class InvariantLM:
         B, T = tokens_BT.shape
         if cache is None:
             assert positions_BT is None, "without a cache, sequences start at position 0"
-            T_pad = round_up(T, KEY_BLOCK)
-            if T_pad != T:
-                tokens_BT = F.pad(tokens_BT, (0, T_pad - T))
-            positions_BT = torch.arange(T_pad).expand(B, T_pad)
+            positions_BT = torch.arange(T).expand(B, T)
         cos, sin = self.rope(positions_BT)  # (B, T', D)
         kv_len = round_up(int(positions_BT.max()) + 1, KEY_BLOCK)
         ctx = _AttnContext.build(positions_BT, self.group, kv_len, cos, sin, cache)
+        if not torch.is_grad_enabled():
+            self._refresh_fused()
         x = F.embedding(tokens_BT, self.inner.embed_tokens.weight)
         for i, layer in enumerate(self.inner.layers):
             h = inv.rms_norm(x, layer.input_layernorm.weight, self.eps)
             x = x + self._attention(i, layer.self_attn, h, ctx)
             h = inv.rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
             x = x + self._mlp(i, layer.mlp, h)
-        x = inv.rms_norm(x, self.inner.norm.weight, self.eps)
-        return x[:, :T]
+        return inv.rms_norm(x, self.inner.norm.weight, self.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return apply_linear(self.lm_head, hidden)
@@ -222,7 +233,7 @@ class InvariantLM:
         q_rows = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
         if ctx.rows_padded != G * T:
             q_rows = F.pad(q_rows, (0, 0, 0, ctx.rows_padded - G * T))
-        out = inv.attention(q_rows, keys, values, ctx.mask)[:, :, : G * T]
+        out = inv.attention(q_rows, keys, values, ctx.bias)[:, :, : G * T]
         out = out.reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq * D)
         return apply_linear(attn.o_proj, out)
 
@@ -233,7 +244,7 @@ class _AttnContext:
 
     cos: torch.Tensor  # (B, T, 1, D)
     sin: torch.Tensor
-    mask: torch.Tensor  # (B, 1, R, L) bool: key visible to query row
+    bias: torch.Tensor  # (B, 1, R, L): 0 where a key is visible to a query row, -inf elsewhere
     rows_padded: int
     kv_len: int
     cache: KVCache | None
@@ -245,17 +256,21 @@ class _AttnContext:
         R = round_up(group * T, ROW_TILE)
         qpos = positions_BT.unsqueeze(1).expand(B, group, T).reshape(B, group * T)
         qpos = F.pad(qpos, (0, R - group * T))  # padded rows sit at position 0: key 0 is visible
-        mask = torch.arange(kv_len).view(1, 1, 1, kv_len) <= qpos.view(B, 1, R, 1)
+        hidden = torch.arange(kv_len).view(1, 1, 1, kv_len) > qpos.view(B, 1, R, 1)
+        bias = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
         write_at = None
         if cache is not None:
             write_at = (torch.arange(B).unsqueeze(1).expand(B, T), positions_BT)
-        return _AttnContext(cos.unsqueeze(2), sin.unsqueeze(2), mask, R, kv_len, cache, write_at)
+        cos, sin = inv.rope_tables(cos.unsqueeze(2), sin.unsqueeze(2))
+        return _AttnContext(cos, sin, bias, R, kv_len, cache, write_at)
 
     def keys_values(self, layer: int, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor):
         """Keys (B, H, L, D) and ones-augmented values (B, H, L, D+1) to attend over."""
-        if self.cache is None:
+        if self.cache is None:  # keys padded to kv_len with zeros, which the bias hides
+            pad = self.kv_len - k_BTHD.shape[1]
             v1 = torch.cat([v_BTHD, v_BTHD.new_ones(*v_BTHD.shape[:-1], 1)], dim=-1)
-            return k_BTHD.transpose(1, 2), v1.transpose(1, 2)
+            return (F.pad(k_BTHD, (0, 0, 0, 0, 0, pad)).transpose(1, 2),
+                    F.pad(v1, (0, 0, 0, 0, 0, pad)).transpose(1, 2))
         b_idx, slot = self.write_at
         ck, cv = self.cache.k[layer], self.cache.v1[layer]
         ck[b_idx, :, slot] = k_BTHD

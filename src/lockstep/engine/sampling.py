@@ -26,13 +26,10 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform(seeds_R: torch.Tensor, step: int) -> torch.Tensor:
-    """One float64 uniform in (0, 1) per row, a pure function of (seed, step)."""
-    h = _hash32(_hash32(seeds_R & _M32) ^ ((seeds_R >> 32) & _M32))
-    h = _hash32(h ^ _hash32(torch.full_like(h, step)))
-    h2 = _hash32(h ^ 0x2545F491)
-    bits = (h >> 5) * 67108864 + (h2 >> 6)  # 53 random bits
-    return (bits.double() + 0.5) / 9007199254740992.0
+def uniform(keys_R: torch.Tensor, step: int) -> torch.Tensor:
+    """One float64 uniform in (0, 1) per row, a pure function of (row key, step)."""
+    h = _hash32(keys_R ^ (_splitmix64(step) & _M32))
+    return (h.double() + 0.5) / 4294967296.0
 
 
 def _splitmix64(x: int) -> int:
@@ -43,8 +40,8 @@ def _splitmix64(x: int) -> int:
 
 
 def row_seed(seed: int, index: int) -> int:
-    """Seed of sample `index` of a request seeded with `seed`: a 63-bit value, stable across runs."""
-    return _splitmix64(_splitmix64(seed & 0xFFFFFFFFFFFFFFFF) ^ index) >> 1
+    """RNG key of sample `index` of a request seeded with `seed`: 32 well-mixed bits, stable across runs."""
+    return _splitmix64(_splitmix64(seed & 0xFFFFFFFFFFFFFFFF) ^ index) >> 32
 
 
 @dataclass
