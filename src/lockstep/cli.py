@@ -35,9 +35,61 @@ def _cmd_check_consistency(args) -> int:
     return 0 if ok else 1
 
 
+def _cmd_run(args) -> int:
+    import time
+
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from lockstep.config import load
+    from lockstep.runtime.plan import make_plan
+
+    spec = load(args.config, args.overrides)
+    if args.ray_address:
+        import dataclasses
+
+        spec = dataclasses.replace(spec, runtime=dataclasses.replace(spec.runtime, ray_address=args.ray_address))
+    plan = make_plan(spec)
+    console = Console()
+    if args.dry_run:
+        from lockstep.config import to_dict
+
+        print(json.dumps({"config": to_dict(spec), "plan": plan.as_dict()}, indent=2))
+        return 0
+    from lockstep.runtime.run import run
+
+    run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+    console.print(f"[bold]lockstep run[/bold] -> {run_dir}")
+    total = sum(s.steps for s in spec.stages)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), console=console, transient=False) as bar:
+        task = bar.add_task("starting", total=total, info="")
+
+        def progress(step, what, acc, reward=None):
+            info = f"acc {acc:.2f}" + (f"  reward {reward:.2f}" if reward is not None else "")
+            bar.update(task, completed=step, description=what, info=info)
+
+        from pathlib import Path
+
+        summary = run(spec, Path(run_dir), progress)
+    console.print(
+        f"accuracy: start {summary['eval_accuracy_start']:.2f} -> after SFT {summary['eval_accuracy_after_sft']:.2f}"
+        f" -> final {summary['eval_accuracy_final']:.2f} in {summary['wall_seconds']:.0f}s; "
+        f"report: {run_dir}/report.html"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lockstep", description="RL post-training with bit-for-bit consistency")
     sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a training job (default: the embedded SFT + GRPO arithmetic run)")
+    run.add_argument("config", nargs="?", help="TOML run config (default: the embedded default)")
+    run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rl.max_staleness=2")
+    run.add_argument("--run-dir", help="where to write the run (default: runs/<timestamp>)")
+    run.add_argument("--ray-address", help="join an existing Ray cluster instead of starting one")
+    run.add_argument("--dry-run", action="store_true", help="print the resolved config and plan, then exit")
+    run.set_defaults(func=_cmd_run)
     check = sub.add_parser("check", help="self-checks")
     check_sub = check.add_subparsers(dest="check", required=True)
     cons = check_sub.add_parser("consistency", help="sampler vs trainer logprobs, bit for bit")
@@ -51,11 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from lockstep.config import ConfigError
     from lockstep.engine.types import EngineError
 
+    if getattr(args, "config", None) and "=" in args.config:  # only overrides were given
+        args.overrides, args.config = [args.config, *args.overrides], None
     try:
         return args.func(args)
-    except EngineError as e:
+    except (EngineError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

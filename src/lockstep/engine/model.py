@@ -146,12 +146,13 @@ class InvariantLM:
     def _refresh_fused(self) -> None:
         """Outside autograd, (re)build the fused weights once per forward if any base weight moved.
 
-        Parameters' in-place version counters change on every optimizer step or weight load, so
-        a stale fused copy is impossible without anyone having to invalidate it by hand.
+        A parameter's in-place version counter moves on every optimizer step or copy_, and its
+        data pointer on every `.data` swap (the generator's zero-copy hot-swap), so a stale fused
+        copy is impossible without anyone having to invalidate it by hand.
         """
         params = [p for _, mods in self._fused_groups() for m in mods for p in (_base(m).weight, _base(m).bias)
                   if p is not None]
-        stamp = tuple((id(p), p._version) for p in params)
+        stamp = tuple((id(p), p._version, p.data_ptr()) for p in params)
         if self._fused_cache.get("__stamp__") != stamp:
             self._fused_cache = {key: tuple(t.detach() if t is not None else None for t in _fuse(mods))
                                  for key, mods in self._fused_groups()}

@@ -65,9 +65,13 @@ class Sampler:
         self,
         requests: Sequence[SampleRequest],
         *,
-        between_steps: Callable[[], None] | None = None,
+        between_steps: Callable[[], bool] | None = None,
     ) -> list[SampleResult]:
-        """Sample every request. `between_steps` runs between decode steps (weight hot-swap)."""
+        """Sample every request.
+
+        `between_steps` runs between decode steps; it returns True when it has swapped the
+        weights (and set `policy_version`), and the sampler then re-prefills its active rows.
+        """
         if not requests:
             return []
         for i, r in enumerate(requests):
@@ -160,11 +164,12 @@ class Sampler:
             if not bool(alive.any()):
                 break
             step += 1
-            if between_steps is not None:
-                between_steps()
             if int(alive.sum()) <= alive.numel() // 2:
                 keep = alive.nonzero().squeeze(1)
                 rows, tokens, alive = rows.select(keep), tokens[keep], alive[keep]
+            if between_steps is not None and between_steps():
+                logits = self._reprefill(rows, [requests[owner[j]].prompt for j in rows.ids.tolist()], tok_buf, n_out)
+                continue
             hidden = self.model.hidden_states(tokens.unsqueeze(1), rows.positions.unsqueeze(1), rows.cache)
             rows.positions = rows.positions + alive.long()  # finished rows stay put (bounded cache)
             logits = self.model.logits(hidden[:, 0])
@@ -173,6 +178,23 @@ class Sampler:
             out.logprobs[j] = lp_buf[j, :n].tolist()
             out.versions[j] = ver_buf[j, :n].tolist()
             out.reason[j] = "stop" if bool(stopped_all[j]) else "length"
+
+    def _reprefill(self, rows: _Rows, prompts, tok_buf, n_out) -> torch.Tensor:
+        """After a weight swap, rebuild the rows' caches under the new weights.
+
+        Every row's prompt and tokens so far are prefilled afresh, so the next token's logprob is
+        exactly the new version's given the whole prefix (the trainer's recomputation agrees).
+        """
+        seqs = [list(p) + tok_buf[j, : int(n_out[j])].tolist() for p, j in zip(prompts, rows.ids.tolist())]
+        lens = torch.tensor([len(x) for x in seqs])
+        T = int(lens.max())
+        tokens = torch.zeros(len(seqs), T, dtype=torch.long)
+        for i, x in enumerate(seqs):
+            tokens[i, : len(x)] = torch.tensor(x)
+        rows.cache = self.model.new_cache(len(seqs), rows.cache.capacity)
+        hidden = self.model.hidden_states(tokens, torch.arange(T).expand(len(seqs), T), rows.cache)
+        rows.positions = lens
+        return self.model.logits(hidden[torch.arange(len(seqs)), lens - 1])
 
     def _results(self, requests, owner, out: _Out, prompt_lps) -> list[SampleResult]:
         seqs: list[list[SampledSequence]] = [[] for _ in requests]

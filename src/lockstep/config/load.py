@@ -1,0 +1,133 @@
+"""TOML (and dict) -> RunSpec, with unknown keys rejected and dotted command-line overrides.
+
+Stages are a TOML array of tables (`[[stages]]`); on the command line a stage is addressed by
+index (`stages.1.learning_rate=3e-4`) or, when only one stage has that kind, by kind
+(`rl.max_staleness=2`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any, Sequence
+
+from lockstep.config.types import ConfigError, EnvSpec, ModelSpec, RunSpec, RuntimeSpec, StageSpec
+
+_SECTIONS = {"model": ModelSpec, "env": EnvSpec, "runtime": RuntimeSpec}
+
+
+def _suggest(key: str, options: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, list(options), n=1)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {sorted(options)}"
+
+
+def _coerce(path: str, value: Any, annotation) -> Any:
+    kind = typing.get_origin(annotation) or annotation
+    if kind is typing.Literal or isinstance(annotation, str):
+        return value
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation in (int, float, str, bool) and (type(value) is not annotation):
+        raise ConfigError(f"{path}: expected {annotation.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls, data: dict, path: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a table, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            raise ConfigError(f"{path}.{key}: unknown key{_suggest(key, fields)}")
+    kwargs = {k: _coerce(f"{path}.{k}", v, hints[k]) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def from_dict(data: dict) -> RunSpec:
+    top = {f.name for f in dataclasses.fields(RunSpec)}
+    for key in data:
+        if key not in top:
+            raise ConfigError(f"{key}: unknown key{_suggest(key, top)}")
+    kwargs: dict[str, Any] = {}
+    for name, cls in _SECTIONS.items():
+        if name in data:
+            kwargs[name] = _build(cls, data[name], name)
+    if "stages" in data:
+        stages = data["stages"]
+        if not isinstance(stages, list):
+            raise ConfigError("stages: expected an array of tables ([[stages]])")
+        kwargs["stages"] = tuple(_build(StageSpec, s, f"stages[{i}]") for i, s in enumerate(stages))
+    if "seed" in data:
+        kwargs["seed"] = _coerce("seed", data["seed"], int)
+    return RunSpec(**kwargs)
+
+
+def to_dict(spec: RunSpec) -> dict:
+    d = dataclasses.asdict(spec)
+    d["stages"] = [dict(s) for s in d["stages"]]
+    return d
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare word is a string: env.name=arithmetic
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    """Apply `a.b=value` overrides to a raw config dict (before validation)."""
+    data = json.loads(json.dumps(data))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key.path=value")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        value = _parse_value(text.strip())
+        if parts[0] in ("sft", "rl"):
+            parts = ["stages", str(_stage_index(data, parts[0])), *parts[1:]]
+        if parts[0] == "stages":
+            _default_stages(data)
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(f"{key}: no stage {part!r} (there are {len(node)})")
+                node = node[int(part)]
+            else:
+                node = node.setdefault(part, {})
+        if isinstance(node, list):
+            raise ConfigError(f"{key}: expected stages.<index>.<key>")
+        node[parts[-1]] = value
+    return data
+
+
+def _default_stages(data: dict) -> list:
+    """Overrides of stages apply to the default stage list when the file has none."""
+    return data.setdefault("stages", [dataclasses.asdict(s) for s in RunSpec().stages])
+
+
+def _stage_index(data: dict, kind: str) -> int:
+    stages = _default_stages(data)
+    matches = [i for i, s in enumerate(stages) if s.get("kind", "rl") == kind]
+    if len(matches) != 1:
+        raise ConfigError(f"{kind}.*: {len(matches)} stages have kind {kind!r}; address one as stages.<index>.<key>")
+    return matches[0]
+
+
+def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunSpec:
+    """Read a TOML file (None: the embedded default), apply overrides, validate."""
+    data: dict = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    return from_dict(apply_overrides(data, overrides))

@@ -1,0 +1,138 @@
+"""The controller: wires Ray actors into the Generate -> Reward -> Train -> Update loop.
+
+            prompts (ArithmeticTask batches of groups)
+                 |
+                 v
+   +----------------------+  groups: tokens + exact sampler logprobs + version per sample
+   | GeneratorActor       |-------------------------------+
+   | KV cache, prefix     |                               v
+   | sharing, hot-swap    |                  +----------------------+
+   +----------^-----------+                  | EnvWorker pool       | rewards (retried, counted)
+              | weights v+1 (object store,   +----------+-----------+
+              | zero-copy)                              v
+   +----------+-----------+              +------------------------------+
+   | publish (version)    |              | clean(): staleness gate,     | zero-variance dropped and
+   +----------^-----------+              | truncation, repetition flags | refilled, counts reported
+              |                          +----------+-------------------+
+   +----------+-----------+                         v
+   | TrainerActor         |<---- datums (GRPO advantages, IS loss) ----+
+   +----------------------+
+
+Contract of the RL loop: it keeps up to `max_staleness + 1` generation batches in flight (so with
+0 it is synchronous on-policy), consumes finished batches in order, waits only on the oldest, and
+trains whenever `prompts_per_step` clean groups are buffered. Every remote call has a deadline.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from lockstep.config.types import RunSpec, StageSpec
+from lockstep.envs.arithmetic import ArithmeticTask
+from lockstep.runtime.filters import clean, to_datums
+from lockstep.runtime.types import RolloutGroup
+
+
+class RuntimeError_(RuntimeError):
+    """A component failed or missed its deadline."""
+
+
+def wait(ref, timeout: float, what: str):
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError_(f"{what} did not answer within {timeout:.0f}s (runtime.call_timeout_s)") from None
+
+
+@dataclass
+class Components:
+    trainer: "ray.actor.ActorHandle"
+    generator: "ray.actor.ActorHandle"
+    envs: list
+    tokenizer: object
+    task: ArithmeticTask
+    timeout: float
+    version: int = 0
+    env_turn: int = 0
+    stats: dict = field(default_factory=lambda: collections.defaultdict(float))
+
+    def publish(self) -> None:
+        """Put the trainer's weights in the object store and point the generator at them."""
+        version_ref, weights_ref = self.trainer.publish.remote()
+        self.version = wait(version_ref, self.timeout, "trainer.publish")
+        self.generator.set_weights.remote(self.version, weights_ref, time.time())
+
+    def score(self, groups):
+        env = self.envs[self.env_turn % len(self.envs)]
+        self.env_turn += 1
+        return env.score.remote(groups)
+
+
+def evaluate(c: Components, max_tokens: int) -> float:
+    """Greedy held-out accuracy under the newest published weights."""
+    prompts = [tuple(c.tokenizer.encode(p.prompt)) for p in c.task.heldout]
+    version, outs = wait(c.generator.greedy.remote(prompts, max_tokens), c.timeout, "generator.greedy")
+    eos = c.tokenizer.eos_token_id
+    correct = sum(
+        1 for p, t in zip(c.task.heldout, outs)
+        if t and t[-1] == eos and c.tokenizer.decode(list(t[:-1])) == p.answer
+    )
+    return correct / len(c.task.heldout)
+
+
+def sft_datums(c: Components, step: int, batch_size: int):
+    from lockstep.engine.types import Datum
+
+    eos = c.tokenizer.eos_token_id
+    data = []
+    for p in c.task.problems(step, batch_size, stream="sft"):
+        prompt, answer = c.tokenizer.encode(p.prompt), c.tokenizer.encode(p.answer) + [eos]
+        data.append(Datum.from_tokens(prompt + answer, weights=[0.0] * (len(prompt) - 1) + [1.0] * len(answer)))
+    return data
+
+
+def make_groups(c: Components, batch_index: int, count: int) -> list[RolloutGroup]:
+    problems = c.task.problems(batch_index, count, stream="rl")
+    return [RolloutGroup(f"rl-{batch_index}-{i}", tuple(c.tokenizer.encode(p.prompt)), p)
+            for i, p in enumerate(problems)]
+
+
+def adam(stage: StageSpec) -> dict:
+    return {"learning_rate": stage.learning_rate, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "grad_clip_norm": 1.0}
+
+
+def rl_stage(c: Components, stage: StageSpec, spec: RunSpec, on_step, should_stop) -> int:
+    """The RL loop (see the module docstring for its contract). Returns steps taken."""
+    in_flight: collections.deque = collections.deque()
+    buffer: list[RolloutGroup] = []
+    next_batch, step = 0, 0
+    while step < stage.steps and not should_stop(step):
+        while len(in_flight) < stage.max_staleness + 1:  # keep the generator busy, within bound
+            groups = make_groups(c, next_batch, stage.prompts_per_step)
+            gen = c.generator.generate.remote(groups, stage.group_size, spec.env.max_tokens,
+                                              stage.temperature, spec.seed * 1_000_003 + next_batch)
+            in_flight.append(c.score(gen))
+            next_batch += 1
+        t_wait = time.perf_counter()
+        scored, env_failures = wait(in_flight.popleft(), c.timeout, "generate+score")
+        report = clean(scored, trainer_version=c.version, max_staleness=stage.max_staleness)
+        buffer.extend(report.kept)
+        c.stats["wait_s"] += time.perf_counter() - t_wait
+        counts = {"filter/zero_variance": report.zero_variance, "filter/truncated": report.truncated,
+                  "filter/repetitive": report.repetitive, "filter/stale": report.stale,
+                  "env/failures": env_failures}
+        for k, v in counts.items():
+            c.stats[k] += v
+        if len(buffer) < stage.prompts_per_step:
+            continue  # dynamic sampling: refill before training
+        batch, buffer = buffer[: stage.prompts_per_step], buffer[stage.prompts_per_step :]
+        metrics = wait(c.trainer.train.remote(to_datums(batch, estimator=stage.advantage), stage.loss, adam(stage)),
+                       c.timeout, "trainer.train")
+        c.publish()
+        step += 1
+        on_step(step, batch, metrics, counts)
+    return step

@@ -1,0 +1,46 @@
+"""The resolved placement plan: what `--dry-run` prints before any work starts."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+from lockstep.config.types import RunSpec
+
+
+@dataclass(frozen=True)
+class Plan:
+    ray_address: str
+    num_cpus: int
+    """CPUs given to a local Ray instance."""
+    trainer_cpus: float
+    generator_cpus: float
+    env_cpus: float
+    """Fractional Ray CPUs per actor: actors never wait on each other for a CPU slot (three
+    `num_cpus=1` actors on a 2-CPU node would leave one pending forever)."""
+    trainer_threads: int
+    generator_threads: int
+    stages: tuple[dict, ...]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_plan(spec: RunSpec) -> Plan:
+    cpus = os.cpu_count() or 2
+    r = spec.runtime
+    budget = max(1, cpus)
+    share = budget / (2 + 0.25 * r.env_workers)
+    stages = []
+    for s in spec.stages:
+        if s.kind == "sft":
+            stages.append({"kind": "sft", "steps": s.steps, "examples_per_step": s.batch_size,
+                           "learning_rate": s.learning_rate})
+        else:
+            stages.append({"kind": "rl", "steps": s.steps, "prompts_per_step": s.prompts_per_step,
+                           "group_size": s.group_size, "samples_per_step": s.prompts_per_step * s.group_size,
+                           "max_staleness": s.max_staleness, "batches_in_flight": s.max_staleness + 1,
+                           "loss": s.loss, "advantage": s.advantage, "learning_rate": s.learning_rate,
+                           "max_seconds": s.max_seconds})
+    return Plan(r.ray_address, budget, round(share, 3), round(share, 3), round(0.25 * share, 3),
+                r.trainer_threads, r.generator_threads, tuple(stages))

@@ -1,0 +1,60 @@
+"""Run config: TOML + dotted overrides onto typed specs, unknown keys rejected with a suggestion."""
+
+import pytest
+
+from lockstep.config import ConfigError, load, to_dict
+from lockstep.config.load import from_dict
+
+
+def test_empty_config_is_the_embedded_default():
+    spec = load()
+    assert [s.kind for s in spec.stages] == ["sft", "rl"]
+    assert spec.model.path == "builtin" and spec.env.name == "arithmetic"
+
+
+def test_toml_and_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("""
+seed = 7
+[model]
+lora_rank = 8
+[[stages]]
+kind = "sft"
+steps = 10
+[[stages]]
+kind = "rl"
+steps = 20
+max_staleness = 0
+""")
+    spec = load(path, ["rl.max_staleness=2", "stages.0.learning_rate=0.01", "env.digits=2", "runtime.env_workers=2"])
+    assert spec.seed == 7 and spec.model.lora_rank == 8
+    assert spec.stages[1].max_staleness == 2 and spec.stages[1].steps == 20
+    assert spec.stages[0].learning_rate == 0.01 and spec.env.digits == 2 and spec.runtime.env_workers == 2
+    assert from_dict(to_dict(spec)) == spec  # the resolved config round-trips
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["rl.max_stalness=2"], r"stages\[1\]\.max_stalness: unknown key; did you mean 'max_staleness'"),
+        (["modle.path=x"], "did you mean 'model'"),
+        (["rl.learning_rate='fast'"], r"learning_rate: expected float"),
+        (["rl.max_staleness=-1"], "max_staleness: expected an integer >= 0"),
+        (["env.name=chess"], "env.name: expected one of"),
+        (["rl.group_size=1"], "group_size: expected an integer >= 2"),
+        (["stages.5.steps=1"], "no stage '5'"),
+        (["novalue"], "expected key.path=value"),
+    ],
+)
+def test_invalid_config_names_the_key_path(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load(None, overrides)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\npath=1")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load(bad)
