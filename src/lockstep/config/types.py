@@ -90,8 +90,10 @@ class StageSpec:
 
 def default_stages() -> tuple[StageSpec, ...]:
     return (
-        StageSpec(kind="sft", steps=1500, learning_rate=2e-3, batch_size=64, eval_every=250, target_accuracy=0.35),
-        StageSpec(kind="rl", steps=3000, learning_rate=5e-4, max_seconds=420.0, target_accuracy=0.0, eval_every=50),
+        # Warm-up: stop as soon as held-out accuracy passes 30%, leaving the rest to RL.
+        StageSpec(kind="sft", steps=600, learning_rate=3e-3, batch_size=128, eval_every=25, target_accuracy=0.3),
+        StageSpec(kind="rl", steps=2000, learning_rate=2e-4, prompts_per_step=16, group_size=8, max_staleness=1,
+                  max_seconds=300.0, target_accuracy=0.9, eval_every=25),
     )
 
 

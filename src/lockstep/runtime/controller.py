@@ -37,6 +37,11 @@ from lockstep.runtime.filters import clean, to_datums
 from lockstep.runtime.types import RolloutGroup
 
 
+MAX_REFILL_BATCHES = 4
+"""Dynamic sampling draws at most this many batches per step before completing the batch with
+zero-variance groups (zero advantage, so no gradient) rather than waiting forever."""
+
+
 class RuntimeError_(RuntimeError):
     """A component failed or missed its deadline."""
 
@@ -64,7 +69,9 @@ class Components:
         """Put the trainer's weights in the object store and point the generator at them."""
         version_ref, weights_ref = self.trainer.publish.remote()
         self.version = wait(version_ref, self.timeout, "trainer.publish")
-        self.generator.set_weights.remote(self.version, weights_ref, time.time())
+        # Parking the weights is instant; waiting for it orders it before the next generate call
+        # (a threaded actor does not order calls), which keeps max_staleness=0 truly on-policy.
+        wait(self.generator.set_weights.remote(self.version, weights_ref, time.time()), self.timeout, "generator.set_weights")
 
     def score(self, groups):
         env = self.envs[self.env_turn % len(self.envs)]
@@ -109,7 +116,8 @@ def rl_stage(c: Components, stage: StageSpec, spec: RunSpec, on_step, should_sto
     """The RL loop (see the module docstring for its contract). Returns steps taken."""
     in_flight: collections.deque = collections.deque()
     buffer: list[RolloutGroup] = []
-    next_batch, step = 0, 0
+    spare: list[RolloutGroup] = []
+    next_batch, step, refills = 0, 0, 0
     while step < stage.steps and not should_stop(step):
         while len(in_flight) < stage.max_staleness + 1:  # keep the generator busy, within bound
             groups = make_groups(c, next_batch, stage.prompts_per_step)
@@ -121,14 +129,20 @@ def rl_stage(c: Components, stage: StageSpec, spec: RunSpec, on_step, should_sto
         scored, env_failures = wait(in_flight.popleft(), c.timeout, "generate+score")
         report = clean(scored, trainer_version=c.version, max_staleness=stage.max_staleness)
         buffer.extend(report.kept)
+        spare.extend(report.no_signal)
         c.stats["wait_s"] += time.perf_counter() - t_wait
         counts = {"filter/zero_variance": report.zero_variance, "filter/truncated": report.truncated,
                   "filter/repetitive": report.repetitive, "filter/stale": report.stale,
                   "env/failures": env_failures}
         for k, v in counts.items():
             c.stats[k] += v
-        if len(buffer) < stage.prompts_per_step:
+        refills += 1
+        if len(buffer) < stage.prompts_per_step and refills < MAX_REFILL_BATCHES:
             continue  # dynamic sampling: refill before training
+        if len(buffer) < stage.prompts_per_step:  # out of refills: complete with no-signal groups
+            c.stats["filter/underfilled_steps"] += 1
+            buffer.extend(spare[: stage.prompts_per_step - len(buffer)])
+        refills, spare = 0, []
         batch, buffer = buffer[: stage.prompts_per_step], buffer[stage.prompts_per_step :]
         metrics = wait(c.trainer.train.remote(to_datums(batch, estimator=stage.advantage), stage.loss, adam(stage)),
                        c.timeout, "trainer.train")

@@ -22,6 +22,8 @@ class FilterReport:
     """Samples flagged for degenerate repetition."""
     stale: int
     """Groups dropped by the staleness gate."""
+    no_signal: tuple[RolloutGroup, ...] = ()
+    """The zero-variance groups themselves, used to complete a batch when refilling runs out."""
 
 
 def is_repetitive(tokens: Sequence[int], *, ngram: int = 3, max_repeats: int = 4) -> bool:
@@ -44,7 +46,7 @@ def clean(groups: Sequence[RolloutGroup], *, trainer_version: int, max_staleness
     Truncated samples keep their reward unless `truncated_penalty` is given, in which case their
     reward becomes that value; repetitive samples are flagged (counted), not removed.
     """
-    kept, zero_var, truncated, repetitive, stale = [], 0, 0, 0, 0
+    kept, flat, truncated, repetitive, stale = [], [], 0, 0, 0
     for g in groups:
         if trainer_version - g.version > max_staleness:
             stale += 1
@@ -58,11 +60,9 @@ def clean(groups: Sequence[RolloutGroup], *, trainer_version: int, max_staleness
             repetitive += is_repetitive(s.tokens)
             samples.append(s)
         rewards = np.array([s.reward for s in samples])
-        if np.all(rewards == rewards[0]):
-            zero_var += 1
-            continue
-        kept.append(RolloutGroup(g.group_id, g.prompt, g.problem, tuple(samples)))
-    return FilterReport(tuple(kept), zero_var, truncated, repetitive, stale)
+        group = RolloutGroup(g.group_id, g.prompt, g.problem, tuple(samples))
+        (flat if np.all(rewards == rewards[0]) else kept).append(group)
+    return FilterReport(tuple(kept), len(flat), truncated, repetitive, stale, tuple(flat))
 
 
 def to_datums(groups: Sequence[RolloutGroup], *, estimator: str = "grpo"):
