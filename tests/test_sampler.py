@@ -158,3 +158,40 @@ def test_prefix_is_prefilled_once_per_request(sampler, monkeypatch):
 def test_bad_requests_raise_clear_errors(sampler, build, match):
     with pytest.raises(EngineError, match=match):
         sampler.sample([build()])
+
+
+def test_hot_swap_between_decode_steps_keeps_logprobs_exact(qwen2_dir):
+    """Weights swapped mid-generation: later tokens carry the new version, and every token's
+    logprob equals the trainer's recomputation under the version it records."""
+    hf, tok = load_model(qwen2_dir)
+    model = InvariantLM(hf)
+    sampler = Sampler(model, tok)
+    old = {n: p.detach().clone() for n, p in hf.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    new = {n: p + 0.05 * torch.randn(p.shape, generator=g) for n, p in old.items()}
+    params = dict(hf.named_parameters())
+    calls = {"n": 0}
+
+    def swap():
+        calls["n"] += 1
+        if calls["n"] != 3:
+            return False
+        for n, p in params.items():
+            p.data = new[n]  # what the generator's zero-copy swap does
+        sampler.policy_version = 1
+        return True
+
+    prompts = [[5, 6, 7], [8] * 12]
+    res = sampler.sample([req(p, n=2, max_tokens=8, seed=i, stop=()) for i, p in enumerate(prompts)], between_steps=swap)
+    for p, r in zip(prompts, res):
+        for s in r.sequences:
+            assert s.policy_version == 0 and s.token_versions == (0, 0, 0, 1, 1, 1, 1, 1)
+            for n, w in params.items():
+                w.data = old[n]
+            before = _trainer_logprobs(model, p, s.tokens)[len(p) - 1 :]
+            for n, w in params.items():
+                w.data = new[n]
+            after = _trainer_logprobs(model, p, s.tokens)[len(p) - 1 :]
+            assert before[:3].tolist() == list(s.logprobs[:3])  # tokens 0-2 sampled before the swap
+            assert after[3:].tolist() == list(s.logprobs[3:])  # the rest under the new weights
+            assert before[3:].tolist() != list(s.logprobs[3:])

@@ -205,6 +205,7 @@ class Sampler:
                     logprobs=tuple(out.logprobs[j]),
                     stop_reason=out.reason[j],
                     policy_version=min(out.versions[j]),
+                    token_versions=tuple(out.versions[j]),
                 )
             )
         return [SampleResult(tuple(s), prompt_lps[i]) for i, s in enumerate(seqs)]

@@ -85,7 +85,10 @@ class SampledSequence:
     stop_reason: StopReason
     """"stop" for EOS or a stop match, "length" when max_tokens was reached."""
     policy_version: int
-    """Version of the weights that produced every token of this sequence."""
+    """The oldest weights version that produced any token of this sequence (staleness is
+    measured from it)."""
+    token_versions: tuple[int, ...] = ()
+    """The weights version behind each token; it changes mid-sequence after a hot-swap."""
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,9 @@ class TrainerActor:
     def export(self, path: str) -> str:
         return str(self.trainer.save_weights_for_sampler(path, kind="merged", overwrite=True))
 
+    def set_threads(self, n: int) -> None:
+        _set_threads(n)
+
     def stats(self) -> dict:
         return {"version": self.version, "busy_s": self.busy_s}
 
@@ -141,10 +144,14 @@ class GeneratorActor:
         res = self.sampler.sample([SampleRequest(tuple(p), params) for p in prompts])
         return self.sampler.policy_version, [r.sequences[0].tokens for r in res]
 
+    def set_threads(self, n: int) -> None:
+        _set_threads(n)
+
     def stats(self) -> dict:
         lat = self.swap_latency_s
         return {"version": self.sampler.policy_version, "busy_s": self.busy_s,
-                "swap_latency_s_max": max(lat) if lat else 0.0, "swaps": len(lat)}
+                "swap_latency_s_max": max(lat) if lat else 0.0, "swap_latency_s_last": lat[-1] if lat else 0.0,
+                "swaps": len(lat)}
 
 
 @ray.remote

@@ -144,6 +144,9 @@ def rl_stage(c: Components, stage: StageSpec, spec: RunSpec, on_step, should_sto
             buffer.extend(spare[: stage.prompts_per_step - len(buffer)])
         refills, spare = 0, []
         batch, buffer = buffer[: stage.prompts_per_step], buffer[stage.prompts_per_step :]
+        fresh = [g for g in buffer if c.version + 1 - g.version <= stage.max_staleness]
+        c.stats["filter/stale"] += len(buffer) - len(fresh)  # leftovers would be too old next step
+        buffer = fresh
         metrics = wait(c.trainer.train.remote(to_datums(batch, estimator=stage.advantage), stage.loss, adam(stage)),
                        c.timeout, "trainer.train")
         c.publish()

@@ -55,8 +55,8 @@ def build(spec: RunSpec, plan: Plan, model_path: str) -> ctl.Components:
 class Run:
     """One run directory and the bookkeeping around the stages."""
 
-    def __init__(self, spec: RunSpec, run_dir: Path, progress):
-        self.spec, self.dir, self.progress = spec, run_dir, progress
+    def __init__(self, spec: RunSpec, plan: Plan, run_dir: Path, progress):
+        self.spec, self.plan, self.dir, self.progress = spec, plan, run_dir, progress
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "config.json").write_text(json.dumps(to_dict(spec), indent=2))
         self.metrics = MetricsLogger(self.dir)
@@ -76,7 +76,15 @@ class Run:
             path = self.dir / "checkpoints" / f"step-{self.global_step:06d}"
             ctl.wait(c.trainer.save_state.remote(str(path), position), c.timeout, "trainer.save_state")
 
+    def threads(self, c: ctl.Components, trainer: int, generator: int) -> None:
+        """The thread budget per stage: on a CPU box, cores are the resource to balance."""
+        ctl.wait(c.trainer.set_threads.remote(trainer), c.timeout, "trainer.set_threads")
+        ctl.wait(c.generator.set_threads.remote(generator), c.timeout, "generator.set_threads")
+        self.metrics.log(self.global_step, {"placement/trainer_threads": trainer, "placement/generator_threads": generator})
+
     def sft(self, c: ctl.Components, stage: StageSpec, index: int) -> float:
+        cpus = self.plan.num_cpus
+        self.threads(c, cpus, cpus)  # only the trainer works (the generator only evaluates)
         acc = self.evals[-1]["accuracy"]
         for k in range(stage.steps):
             metrics = ctl.wait(c.trainer.train.remote(ctl.sft_datums(c, k, stage.batch_size), "cross_entropy",
@@ -95,6 +103,11 @@ class Run:
         return acc
 
     def rl(self, c: ctl.Components, stage: StageSpec, index: int) -> float:
+        cpus = self.plan.num_cpus
+        if stage.max_staleness == 0:  # synchronous: the stages take turns, each may use every core
+            self.threads(c, cpus, cpus)
+        else:  # concurrent: split the cores so they do not oversubscribe
+            self.threads(c, max(1, cpus // 2), max(1, cpus - cpus // 2))
         started = time.time()
         state = {"acc": self.evals[-1]["accuracy"], "last": time.perf_counter()}
 
@@ -145,7 +158,7 @@ def run(spec: RunSpec, run_dir: Path, progress=lambda *a, **k: None) -> dict:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     model_path = resolve_model(spec)
     start_ray(plan)
-    r = Run(spec, run_dir, progress)
+    r = Run(spec, plan, run_dir, progress)
     c = build(spec, plan, model_path)
     c.publish()
     accs = {"eval_accuracy_start": r.evaluate(c, "start")}
