@@ -33,6 +33,12 @@ class Problem:
         return f"{self.a + self.b:0{self.width + 1}d}" if self.width else str(self.a + self.b)
 
 
+def is_correct(problem: Problem, tokens: Sequence[int], tokenizer) -> bool:
+    """Exact match: the answer's digits, then EOS, and nothing else."""
+    eos = tokenizer.eos_token_id
+    return len(tokens) > 0 and tokens[-1] == eos and tokenizer.decode(list(tokens[:-1])) == problem.answer
+
+
 class ArithmeticEnv:
     """One episode: one problem, one answer."""
 
@@ -45,10 +51,7 @@ class ArithmeticEnv:
         return Observation(tuple(self.tokenizer.encode(self.problem.prompt)), None, self.max_tokens)
 
     async def step(self, action: Sequence[int]) -> StepResult:
-        eos = self.tokenizer.eos_token_id
-        ended = len(action) > 0 and action[-1] == eos
-        text = self.tokenizer.decode([t for t in action if t != eos])
-        correct = float(ended and text == self.problem.answer)
+        correct = float(is_correct(self.problem, action, self.tokenizer))
         return StepResult(reward=correct, episode_done=True, metrics={"correct": correct})
 
     def snapshot(self) -> Problem:

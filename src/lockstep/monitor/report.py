@@ -57,6 +57,12 @@ def write_report(run_dir: Path, summary: dict) -> Path:
         *[(k, v) for k, v in summary.get("counters", {}).items()],
     ]
     table = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
+    stages = summary.get("stages", [])
+    if stages:
+        cols = list(stages[0])
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(str(r[c]))}</td>" for c in cols) + "</tr>" for r in stages)
+        table += f"</table><h2>Per-stage throughput and idle time</h2><table><tr>{head}</tr>{body}"
     imgs = "".join(f'<img src="data:image/png;base64,{b}">' for b in _curves(run_dir, summary))
     page = (f"<!doctype html><meta charset=utf-8><title>lockstep run report</title>"
             f"<h1>lockstep run</h1><table>{table}</table>{imgs}")

@@ -34,6 +34,20 @@ def _load(model_path: str, lora_rank: int, lora_alpha: float):
     return Trainer.from_pretrained(model_path, lora=lora)
 
 
+def _mismatch(data, outputs, sampled_from) -> dict:
+    """max/mean |Δlogp|, the k3 KL estimate and the normalised ESS of trainer vs sampler logprobs."""
+    train = np.concatenate([o["logprobs"][k:] for o, k in zip(outputs, sampled_from)]).astype(np.float64)
+    sample = np.concatenate([d.loss_fn_inputs["logprobs"][k:] for d, k in zip(data, sampled_from)]).astype(np.float64)
+    if train.size == 0:
+        return {}
+    delta = train - sample
+    ratio = np.exp(np.clip(-delta, -20, 20))  # p_sample / p_train, for k3 = E[r - 1 - log r]
+    w = np.exp(np.clip(delta, -20, 20))
+    return {"mismatch_abs:max": float(np.abs(delta).max()), "mismatch_abs:mean": float(np.abs(delta).mean()),
+            "mismatch_k3_kl:mean": float(np.mean(ratio - 1 + delta)),
+            "mismatch_ess:mean": float(w.sum() ** 2 / (w.size * (w**2).sum()))}
+
+
 @ray.remote
 class TrainerActor:
     """Owns the trainable weights and the optimizer; publishes weights with integer versions."""
@@ -44,12 +58,17 @@ class TrainerActor:
         self.version = 0
         self.busy_s = 0.0
 
-    def train(self, data, loss: str, adam: dict, loss_config: dict | None = None) -> dict:
+    def train(self, data, loss: str, adam: dict, loss_config: dict | None = None,
+              sampled_from: list[int] | None = None) -> dict:
+        """One optimizer step; `sampled_from[i]` is where datum i's sampled tokens start, for the
+        mismatch panel (trainer vs sampler logprobs of the same tokens)."""
         from lockstep.engine.types import AdamParams
 
         t = time.perf_counter()
         out = self.trainer.forward_backward(data, loss, loss_config or {})
         metrics = dict(out.metrics)
+        if sampled_from is not None:
+            metrics.update(_mismatch(data, out.loss_fn_outputs, sampled_from))
         metrics.update(self.trainer.optim_step(AdamParams(**adam)))
         self.version += 1
         self.busy_s += time.perf_counter() - t

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import ray
 
 from lockstep.config.types import RunSpec, StageSpec
-from lockstep.envs.arithmetic import ArithmeticTask
+from lockstep.envs.arithmetic import ArithmeticTask, is_correct
 from lockstep.runtime.filters import clean, to_datums
 from lockstep.runtime.types import RolloutGroup
 
@@ -42,15 +42,18 @@ MAX_REFILL_BATCHES = 4
 zero-variance groups (zero advantage, so no gradient) rather than waiting forever."""
 
 
-class RuntimeError_(RuntimeError):
+class ComponentError(RuntimeError):
     """A component failed or missed its deadline."""
 
 
 def wait(ref, timeout: float, what: str):
+    """ray.get with a deadline: a hang or a dead actor becomes a clear error, never a stall."""
     try:
         return ray.get(ref, timeout=timeout)
     except ray.exceptions.GetTimeoutError:
-        raise RuntimeError_(f"{what} did not answer within {timeout:.0f}s (runtime.call_timeout_s)") from None
+        raise ComponentError(f"{what} did not answer within {timeout:.0f}s (runtime.call_timeout_s)") from None
+    except ray.exceptions.RayActorError as e:
+        raise ComponentError(f"{what}: the actor died ({e.__class__.__name__}); see the Ray worker logs") from e
 
 
 @dataclass
@@ -83,12 +86,7 @@ def evaluate(c: Components, max_tokens: int) -> float:
     """Greedy held-out accuracy under the newest published weights."""
     prompts = [tuple(c.tokenizer.encode(p.prompt)) for p in c.task.heldout]
     version, outs = wait(c.generator.greedy.remote(prompts, max_tokens), c.timeout, "generator.greedy")
-    eos = c.tokenizer.eos_token_id
-    correct = sum(
-        1 for p, t in zip(c.task.heldout, outs)
-        if t and t[-1] == eos and c.tokenizer.decode(list(t[:-1])) == p.answer
-    )
-    return correct / len(c.task.heldout)
+    return sum(is_correct(p, t, c.tokenizer) for p, t in zip(c.task.heldout, outs)) / len(c.task.heldout)
 
 
 def sft_datums(c: Components, step: int, batch_size: int):
@@ -147,8 +145,9 @@ def rl_stage(c: Components, stage: StageSpec, spec: RunSpec, on_step, should_sto
         fresh = [g for g in buffer if c.version + 1 - g.version <= stage.max_staleness]
         c.stats["filter/stale"] += len(buffer) - len(fresh)  # leftovers would be too old next step
         buffer = fresh
-        metrics = wait(c.trainer.train.remote(to_datums(batch, estimator=stage.advantage), stage.loss, adam(stage)),
-                       c.timeout, "trainer.train")
+        data = to_datums(batch, estimator=stage.advantage)
+        starts = [len(g.prompt) - 1 for g in batch for s in g.samples if s.tokens]
+        metrics = wait(c.trainer.train.remote(data, stage.loss, adam(stage), None, starts), c.timeout, "trainer.train")
         c.publish()
         step += 1
         on_step(step, batch, metrics, counts)
