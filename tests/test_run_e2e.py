@@ -10,7 +10,7 @@ from lockstep.runtime.run import run
 
 TINY = ["stages.0.steps=6", "stages.0.batch_size=16", "stages.0.eval_every=3", "stages.0.target_accuracy=0.0",
         "rl.steps=4", "rl.prompts_per_step=4", "rl.group_size=4", "rl.eval_every=2", "rl.max_seconds=0",
-        "rl.learning_rate=3e-4", "rl.temperature=2.0", "env.num_heldout=20", "runtime.checkpoint_every=5"]
+        "rl.learning_rate=3e-4", "env.num_heldout=20", "runtime.checkpoint_every=5"]
 
 
 @pytest.fixture(scope="module", autouse=True)
