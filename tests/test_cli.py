@@ -1,0 +1,43 @@
+"""The CLI surface is frozen here so that flags do not sprawl: change this test on purpose."""
+
+from lockstep.cli import build_parser
+
+
+def _surface(parser, prefix=""):
+    out = set()
+    for action in parser._actions:
+        if action.option_strings:
+            out.add(prefix + "/".join(sorted(action.option_strings)))
+        if getattr(action, "choices", None) and isinstance(action.choices, dict):
+            for name, sub in action.choices.items():
+                out |= _surface(sub, f"{prefix}{name} ")
+    return out
+
+
+def test_cli_surface_is_frozen():
+    assert _surface(build_parser()) == {
+        "--help/-h",
+        "run --help/-h", "run --run-dir", "run --ray-address", "run --dry-run",
+        "check --help/-h",
+        "check consistency --help/-h", "check consistency --model", "check consistency --json",
+        "check consistency --seed", "check consistency --max-tokens",
+    }
+
+
+def test_dry_run_prints_the_plan(capsys):
+    import json
+
+    from lockstep.cli import main
+
+    assert main(["run", "--dry-run", "rl.max_staleness=0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["stages"][1]["max_staleness"] == 0
+    assert out["plan"]["stages"][1]["batches_in_flight"] == 1
+    assert out["plan"]["trainer_threads"] >= 1
+
+
+def test_bad_override_fails_before_any_work(capsys):
+    from lockstep.cli import main
+
+    assert main(["run", "rl.max_stalness=2"]) == 2
+    assert "did you mean 'max_staleness'" in capsys.readouterr().err
