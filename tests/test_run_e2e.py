@@ -40,6 +40,10 @@ def test_run_writes_a_complete_run_directory(tmp_path, builtin_dir, staleness):
                 "mismatch/abs", "mismatch/k3_kl", "mismatch/ess"):
         assert key in rl[0]
     assert any("eval/accuracy" in r for r in records)
+    for r in rl:  # the staleness histogram covers every trained sample, within the bound
+        hist = {int(k.split("/")[1]): v for k, v in r.items() if k.startswith("staleness/")}
+        assert sum(hist.values()) == 4 * 4 and max(hist) <= staleness and min(hist) >= 0
+        assert r["queue/in_flight_batches"] <= staleness + 1 and r["queue/buffered_groups"] >= 0
     if staleness == 0:  # on-policy: the trainer recomputes exactly the sampler's logprobs
         assert all(r["mismatch/abs"] == 0.0 and r["mismatch/ess"] == 1.0 for r in rl)
     assert "<img" in (d / "report.html").read_text() and "Per-stage throughput" in (d / "report.html").read_text()

@@ -106,6 +106,16 @@ def make_groups(c: Components, batch_index: int, count: int) -> list[RolloutGrou
             for i, p in enumerate(problems)]
 
 
+def staleness_histogram(batch, trainer_version: int) -> dict[str, int]:
+    """Samples per staleness (trainer version minus the sample's oldest token version)."""
+    hist: dict[str, int] = {}
+    for g in batch:
+        for s in g.samples:
+            key = f"staleness/{trainer_version - s.version}"
+            hist[key] = hist.get(key, 0) + 1
+    return hist
+
+
 def adam(stage: StageSpec) -> dict:
     return {"learning_rate": stage.learning_rate, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "grad_clip_norm": 1.0}
 
@@ -150,5 +160,7 @@ def rl_stage(c: Components, stage: StageSpec, spec: RunSpec, on_step, should_sto
         metrics = wait(c.trainer.train.remote(data, stage.loss, adam(stage), None, starts), c.timeout, "trainer.train")
         c.publish()
         step += 1
-        on_step(step, batch, metrics, counts)
+        trained_at = c.version - 1  # the version the trainer held during this step
+        queues = {"queue/in_flight_batches": len(in_flight), "queue/buffered_groups": len(buffer)}
+        on_step(step, batch, metrics, {**counts, **queues, **staleness_histogram(batch, trained_at)})
     return step
