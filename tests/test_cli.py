@@ -41,3 +41,6 @@ def test_bad_override_fails_before_any_work(capsys):
 
     assert main(["run", "rl.max_stalness=2"]) == 2
     assert "did you mean 'max_staleness'" in capsys.readouterr().err
+    assert main(["run", "rl.loss=stable_reinforce", "--run-dir", "/nonexistent/never-created"]) == 2
+    err = capsys.readouterr().err
+    assert "stages[1].loss" in err and "importance_sampling" in err

@@ -38,7 +38,8 @@ def test_repetition_flag():
 
 
 def test_datums_carry_group_centred_advantages_and_sampler_logprobs():
-    (d1, d2) = to_datums([group("g", [1, 0])])
+    (d1, d2), starts = to_datums([group("g", [1, 0])])
+    assert starts == [2, 2]  # the sampled tokens start after the 3-token prompt's 2 input positions
     assert d1.model_input == (1, 2, 3, 5) and list(d1.loss_fn_inputs["target_tokens"]) == [2, 3, 5, 6]
     assert np.allclose(d1.loss_fn_inputs["advantages"], [0, 0, 0.5, 0.5])
     assert np.allclose(d2.loss_fn_inputs["advantages"], [0, 0, -0.5, -0.5])

@@ -49,6 +49,9 @@ def _cmd_run(args) -> int:
         import dataclasses
 
         spec = dataclasses.replace(spec, runtime=dataclasses.replace(spec.runtime, ray_address=args.ray_address))
+    from lockstep.runtime.run import check_losses
+
+    check_losses(spec)
     plan = make_plan(spec)
     console = Console()
     if args.dry_run:

@@ -37,10 +37,6 @@ class KVCache:
     def capacity(self) -> int:
         return self.k[0].shape[2]
 
-    @property
-    def batch(self) -> int:
-        return self.k[0].shape[0]
-
     def select(self, rows: torch.Tensor) -> "KVCache":
         """A cache holding the given batch rows (prefix sharing, batch compaction)."""
         return KVCache([k.index_select(0, rows) for k in self.k], [v.index_select(0, rows) for v in self.v1])
@@ -126,9 +122,9 @@ class InvariantLM:
         self._fused_cache: dict[tuple, tuple] = {}
 
     # -- tables, fused weights, caches ---------------------------------------------------------
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for the given positions, from a table that is only ever extended."""
-        need = int(positions.max()) + 1 if positions.numel() else 1
+        need = max_position + 1
         cos, sin = self._rope_table
         if cos.shape[0] < need:
             n = max(need, 2 * cos.shape[0], 256)
@@ -190,8 +186,9 @@ class InvariantLM:
         if cache is None:
             assert positions_BT is None, "without a cache, sequences start at position 0"
             positions_BT = torch.arange(T).expand(B, T)
-        cos, sin = self.rope(positions_BT)  # (B, T', D)
-        kv_len = round_up(int(positions_BT.max()) + 1, KEY_BLOCK)
+        max_position = int(positions_BT.max())  # one sync per forward, shared by rope and the mask
+        cos, sin = self.rope(positions_BT, max_position)  # (B, T, D)
+        kv_len = round_up(max_position + 1, KEY_BLOCK)
         ctx = _AttnContext.build(positions_BT, self.group, kv_len, cos, sin, cache)
         if not torch.is_grad_enabled():
             self._refresh_fused()

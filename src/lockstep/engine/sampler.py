@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -43,10 +43,10 @@ class _Rows:
 class _Out:
     """Per-sample outputs (flat over all samples of all requests)."""
 
-    tokens: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[float]] = field(default_factory=list)
-    versions: list[list[int]] = field(default_factory=list)
-    reason: list[str] = field(default_factory=list)
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    versions: list[list[int]]
+    reason: list[str]
 
 
 class Sampler:
@@ -80,9 +80,8 @@ class Sampler:
         first_logits, prompt_lps, cache = self._prefill(requests)
         owner = [i for i, r in enumerate(requests) for _ in range(r.num_samples)]
         rows = self._init_rows(requests, owner, cache)
-        out = _Out([[] for _ in owner], [[] for _ in owner], [[] for _ in owner], ["length"] * len(owner))
         logits = first_logits.index_select(0, torch.tensor(owner))
-        self._decode(requests, owner, rows, logits, out, between_steps)
+        out = self._decode(requests, owner, rows, logits, between_steps)
         return self._results(requests, owner, out, prompt_lps)
 
     # -- phases ------------------------------------------------------------------------------
@@ -133,7 +132,7 @@ class Sampler:
         positions = torch.tensor([len(requests[i].prompt) for i in owner])
         return _Rows(torch.arange(len(owner)), params, positions, cache.select(idx))
 
-    def _decode(self, requests, owner, rows: _Rows, logits, out: _Out, between_steps) -> None:
+    def _decode(self, requests, owner, rows: _Rows, logits, between_steps) -> _Out:
         S = len(owner)
         stop_ids = self._stop_id_table(requests, owner)
         stop_strs = [self._stop_strings(requests[i]) for i in owner]
@@ -173,11 +172,13 @@ class Sampler:
             hidden = self.model.hidden_states(tokens.unsqueeze(1), rows.positions.unsqueeze(1), rows.cache)
             rows.positions = rows.positions + alive.long()  # finished rows stay put (bounded cache)
             logits = self.model.logits(hidden[:, 0])
-        for j, n in enumerate(n_out.tolist()):
-            out.tokens[j] = tok_buf[j, :n].tolist()
-            out.logprobs[j] = lp_buf[j, :n].tolist()
-            out.versions[j] = ver_buf[j, :n].tolist()
-            out.reason[j] = "stop" if bool(stopped_all[j]) else "length"
+        lengths = n_out.tolist()
+        return _Out(
+            tokens=[tok_buf[j, :n].tolist() for j, n in enumerate(lengths)],
+            logprobs=[lp_buf[j, :n].tolist() for j, n in enumerate(lengths)],
+            versions=[ver_buf[j, :n].tolist() for j, n in enumerate(lengths)],
+            reason=["stop" if s else "length" for s in stopped_all.tolist()],
+        )
 
     def _reprefill(self, rows: _Rows, prompts, tok_buf, n_out) -> torch.Tensor:
         """After a weight swap, rebuild the rows' caches under the new weights.

@@ -144,9 +144,6 @@ class Trainer:
         """Export an HF directory (kind="merged") or a PEFT adapter (kind="adapter", LoRA only)."""
         return lora_mod.export(self, path, kind=kind, overwrite=overwrite)
 
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.params.items()}
-
     def weights_numpy(self) -> dict[str, np.ndarray]:
         """A copy of the trainable weights as NumPy arrays (for publishing and tests)."""
         return {n: p.detach().numpy().copy() for n, p in self.params.items()}

@@ -33,7 +33,7 @@ import ray
 
 from lockstep.config.types import RunSpec, StageSpec
 from lockstep.envs.arithmetic import ArithmeticTask, is_correct
-from lockstep.runtime.filters import clean, to_datums
+from lockstep.runtime.filters import clean, to_datums, too_stale
 from lockstep.runtime.types import RolloutGroup
 
 
@@ -107,13 +107,10 @@ def make_groups(c: Components, batch_index: int, count: int) -> list[RolloutGrou
 
 
 def staleness_histogram(batch, trainer_version: int) -> dict[str, int]:
-    """Samples per staleness (trainer version minus the sample's oldest token version)."""
-    hist: dict[str, int] = {}
-    for g in batch:
-        for s in g.samples:
-            key = f"staleness/{trainer_version - s.version}"
-            hist[key] = hist.get(key, 0) + 1
-    return hist
+    """Samples per staleness (trainer version minus the sample's oldest token version), and the max."""
+    ages = [trainer_version - s.version for g in batch for s in g.samples]
+    hist = {f"staleness/{a}": ages.count(a) for a in sorted(set(ages))}
+    return {**hist, "rollout/staleness_max": max(ages)}
 
 
 def adam(stage: StageSpec) -> dict:
@@ -152,11 +149,10 @@ def rl_stage(c: Components, stage: StageSpec, spec: RunSpec, on_step, should_sto
             buffer.extend(spare[: stage.prompts_per_step - len(buffer)])
         refills, spare = 0, []
         batch, buffer = buffer[: stage.prompts_per_step], buffer[stage.prompts_per_step :]
-        fresh = [g for g in buffer if c.version + 1 - g.version <= stage.max_staleness]
+        fresh = [g for g in buffer if not too_stale(g, c.version + 1, stage.max_staleness)]
         c.stats["filter/stale"] += len(buffer) - len(fresh)  # leftovers would be too old next step
         buffer = fresh
-        data = to_datums(batch, estimator=stage.advantage)
-        starts = [len(g.prompt) - 1 for g in batch for s in g.samples if s.tokens]
+        data, starts = to_datums(batch, estimator=stage.advantage)
         metrics = wait(c.trainer.train.remote(data, stage.loss, adam(stage), None, starts), c.timeout, "trainer.train")
         c.publish()
         step += 1

@@ -39,6 +39,11 @@ def is_repetitive(tokens: Sequence[int], *, ngram: int = 3, max_repeats: int = 4
     return False
 
 
+def too_stale(group: RolloutGroup, trainer_version: int, max_staleness: int) -> bool:
+    """The staleness bound: trained at `trainer_version`, may this group still be used?"""
+    return trainer_version - group.version > max_staleness
+
+
 def clean(groups: Sequence[RolloutGroup], *, trainer_version: int, max_staleness: int,
           truncated_penalty: float | None = None) -> FilterReport:
     """Staleness gate, truncation handling and zero-variance dropping, with counts.
@@ -48,7 +53,7 @@ def clean(groups: Sequence[RolloutGroup], *, trainer_version: int, max_staleness
     """
     kept, flat, truncated, repetitive, stale = [], [], 0, 0, 0
     for g in groups:
-        if trainer_version - g.version > max_staleness:
+        if too_stale(g, trainer_version, max_staleness):
             stale += 1
             continue
         samples = []
@@ -67,11 +72,14 @@ def clean(groups: Sequence[RolloutGroup], *, trainer_version: int, max_staleness
 
 def to_datums(groups: Sequence[RolloutGroup], *, estimator: str = "grpo"):
     """Policy-gradient datums: prompt positions carry no advantage; sampled tokens carry the
-    sample's group-centred advantage and the sampler's exact logprobs."""
+    sample's group-centred advantage and the sampler's exact logprobs.
+
+    Returns (datums, sampled_from): where each datum's sampled tokens start, for the mismatch panel.
+    """
     from lockstep.engine.types import Datum
 
     advantage = get_estimator(estimator)
-    data = []
+    data, sampled_from = [], []
     for g in groups:
         adv = advantage(np.array([s.reward for s in g.samples], dtype=np.float64))
         n = len(g.prompt)
@@ -85,4 +93,5 @@ def to_datums(groups: Sequence[RolloutGroup], *, estimator: str = "grpo"):
                 "advantages": np.asarray([0.0] * (n - 1) + [a] * len(s.tokens), np.float32),
             }
             data.append(Datum(tuple(full[:-1]), inputs))
-    return data
+            sampled_from.append(n - 1)
+    return data, sampled_from

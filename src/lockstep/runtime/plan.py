@@ -27,9 +27,8 @@ class Plan:
 
 
 def make_plan(spec: RunSpec) -> Plan:
-    cpus = os.cpu_count() or 2
+    budget = os.cpu_count() or 2
     r = spec.runtime
-    budget = max(1, cpus)
     share = budget / (2 + 0.25 * r.env_workers)
     stages = []
     for s in spec.stages:

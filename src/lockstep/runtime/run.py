@@ -16,6 +16,20 @@ from lockstep.runtime import controller as ctl
 from lockstep.runtime.plan import Plan, make_plan
 
 
+def check_losses(spec: RunSpec) -> None:
+    """Fail before any work on a loss the registry does not have (the config layer is torch-free,
+    so it cannot look the registry up itself)."""
+    from lockstep.config import ConfigError
+    from lockstep.losses import LossError, get_loss
+
+    for i, stage in enumerate(spec.stages):
+        if stage.kind == "rl":
+            try:
+                get_loss(stage.loss)
+            except LossError as e:
+                raise ConfigError(f"stages[{i}].loss: {e}") from None
+
+
 def resolve_model(spec: RunSpec) -> str:
     if spec.model.path == "builtin":
         from lockstep.engine.tiny import ensure_tiny_model
@@ -155,9 +169,8 @@ class Run:
             now = time.perf_counter()
             rewards = [s.reward for g in batch for s in g.samples]
             record = {"stage": index, "train/loss_sum": metrics["loss:sum"], "train/grad_norm": metrics["grad_norm:mean"],
-                      "rollout/reward_mean": sum(rewards) / len(rewards), "rollout/staleness_max": c.version - 1 - min(g.version for g in batch),
-                      "time/step_s": now - state["last"], "time/trainer_busy_s": metrics["trainer_busy_s:sum"],
-                      **{k: v for k, v in counts.items()}}
+                      "rollout/reward_mean": sum(rewards) / len(rewards),
+                      "time/step_s": now - state["last"], "time/trainer_busy_s": metrics["trainer_busy_s:sum"], **counts}
             record.update({f"loss/{k.split(':')[0]}": v for k, v in metrics.items() if k.split(":")[0] in
                            ("importance_ratio", "clip_fraction")})
             record.update({f"mismatch/{k.split(':')[0].removeprefix('mismatch_')}": v for k, v in metrics.items()
@@ -199,6 +212,7 @@ class Run:
 
 
 def run(spec: RunSpec, run_dir: Path, progress=lambda *a, **k: None) -> dict:
+    check_losses(spec)
     plan = make_plan(spec)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     model_path = resolve_model(spec)

@@ -35,14 +35,3 @@ class RolloutGroup:
     @property
     def version(self) -> int:
         return min(s.version for s in self.samples)
-
-
-@dataclass(frozen=True)
-class StageCounters:
-    """Per-step filter and staleness counts, reported in metrics."""
-
-    zero_variance_dropped: int = 0
-    truncated: int = 0
-    repetitive: int = 0
-    stale_dropped: int = 0
-    env_failures: int = 0
