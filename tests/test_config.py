@@ -44,6 +44,14 @@ max_staleness = 0
         (["rl.group_size=1"], "group_size: expected an integer >= 2"),
         (["stages.5.steps=1"], "no stage '5'"),
         (["novalue"], "expected key.path=value"),
+        (["env.name=math"], "env.path: expected a .jsonl or .parquet file"),
+        (["env.name=reasoning_gym"], "env.task: expected a reasoning_gym task name"),
+        (["env.args=3"], "env.args: expected a table"),
+        (["env.max_turns=0"], "env.max_turns: expected an integer >= 1"),
+        (["rl.truncation=drop"], "truncation: expected 'keep', 'mask' or 'penalize'"),
+        (["rl.stale_policy=ignore"], "stale_policy: expected 'regenerate' or 'drop'"),
+        (["rl.dataset='x.jsonl'"], r"stages\[rl\]\.dataset: expected empty for an rl stage"),
+        (["runtime.keep_checkpoints=0"], "keep_checkpoints: expected an integer >= 1"),
     ],
 )
 def test_invalid_config_names_the_key_path(overrides, match):
@@ -58,3 +66,9 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("[model\npath=1")
     with pytest.raises(ConfigError, match="invalid TOML"):
         load(bad)
+
+
+def test_user_suites_and_their_args():
+    spec = load(None, ["env.name='mypkg.envs:make_suite'", "env.args={level = 3}", "rl.loss_config={tis_cap = 2.0}"])
+    assert spec.env.name == "mypkg.envs:make_suite" and spec.env.args == {"level": 3}
+    assert spec.stages[1].loss_config == {"tis_cap": 2.0}

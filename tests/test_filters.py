@@ -1,4 +1,4 @@
-"""In-loop cleaning: staleness gate, zero-variance groups, truncation and repetition, with counts."""
+"""In-loop cleaning: env failures, staleness gate, zero-variance groups, truncation and repetition."""
 
 import numpy as np
 
@@ -6,29 +6,42 @@ from lockstep.runtime.filters import clean, is_repetitive, to_datums
 from lockstep.runtime.types import RolloutGroup, Sample
 
 
-def group(gid, rewards, version=0, reasons=None, tokens=None):
+def group(gid, rewards, version=0, reasons=None, tokens=None, failed=0, sampled=()):
     reasons = reasons or ["stop"] * len(rewards)
-    samples = tuple(Sample(tuple(tokens or (5, 6)), (-0.5, -0.25), version, r, float(w)) for w, r in zip(rewards, reasons))
-    return RolloutGroup(gid, (1, 2, 3), None, samples)
+    samples = tuple(Sample(tuple(tokens or (5, 6)), (-0.5, -0.25), version, r, float(w), sampled=sampled)
+                    for w, r in zip(rewards, reasons))
+    return RolloutGroup(gid, (1, 2, 3), samples, failed)
 
 
 def test_zero_variance_groups_are_dropped_and_counted():
     rep = clean([group("a", [1, 1]), group("b", [0, 1]), group("c", [0, 0])], trainer_version=0, max_staleness=0)
-    assert [g.group_id for g in rep.kept] == ["b"] and rep.zero_variance == 2
+    assert [g.group_id for g in rep.kept] == ["b"] and [g.group_id for g in rep.no_signal] == ["a", "c"]
+    assert rep.counts()["filter/zero_variance"] == 2
 
 
 def test_staleness_gate():
     groups = [group("old", [0, 1], version=3), group("ok", [0, 1], version=4), group("new", [0, 1], version=5)]
     rep = clean(groups, trainer_version=5, max_staleness=1)
-    assert [g.group_id for g in rep.kept] == ["ok", "new"] and rep.stale == 1
-    assert clean(groups, trainer_version=5, max_staleness=0).stale == 2
+    assert [g.group_id for g in rep.kept] == ["ok", "new"] and [g.group_id for g in rep.stale] == ["old"]
+    assert len(clean(groups, trainer_version=5, max_staleness=0).stale) == 2
 
 
-def test_truncated_samples_counted_and_optionally_penalised():
-    g = group("t", [1, 0], reasons=["length", "stop"])
-    assert clean([g], trainer_version=0, max_staleness=0).truncated == 1
-    rep = clean([g], trainer_version=0, max_staleness=0, truncated_penalty=0.0)
-    assert rep.zero_variance == 1 and not rep.kept  # the penalty removed the only reward
+def test_failed_groups_are_set_aside_not_trained():
+    rep = clean([group("f", [0, 1], failed=1), group("ok", [0, 1])], trainer_version=0, max_staleness=0)
+    assert [g.group_id for g in rep.failed] == ["f"] and [g.group_id for g in rep.kept] == ["ok"]
+    assert rep.counts()["env/failed_groups"] == 1
+
+
+def test_truncation_keep_penalize_and_mask():
+    g = group("t", [1, 0, 1], reasons=["length", "stop", "stop"])
+    keep = clean([g], trainer_version=0, max_staleness=0, truncation="keep")
+    assert keep.truncated == 1 and [s.reward for s in keep.kept[0].samples] == [1, 0, 1]
+    pen = clean([g], trainer_version=0, max_staleness=0, truncation="penalize", truncated_reward=-1.0)
+    assert [s.reward for s in pen.kept[0].samples] == [-1.0, 0, 1]
+    mask = clean([g], trainer_version=0, max_staleness=0, truncation="mask")
+    assert [s.stop_reason for s in mask.kept[0].samples] == ["stop", "stop"]  # out of loss and baseline
+    only = clean([group("u", [1, 0], reasons=["length", "stop"])], trainer_version=0, max_staleness=0, truncation="mask")
+    assert not only.kept and len(only.no_signal) == 1  # one sample left: no baseline, no signal
 
 
 def test_repetition_flag():
@@ -44,3 +57,11 @@ def test_datums_carry_group_centred_advantages_and_sampler_logprobs():
     assert np.allclose(d1.loss_fn_inputs["advantages"], [0, 0, 0.5, 0.5])
     assert np.allclose(d2.loss_fn_inputs["advantages"], [0, 0, -0.5, -0.5])
     assert np.allclose(d1.loss_fn_inputs["logprobs"], [0, 0, -0.5, -0.25])
+    assert list(d1.loss_fn_inputs["weights"]) == [0, 0, 1, 1]
+
+
+def test_env_inserted_tokens_carry_no_loss():
+    (d1, _), _ = to_datums([group("m", [1, 0], sampled=(True, False))])
+    assert list(d1.loss_fn_inputs["weights"]) == [0, 0, 1, 0]
+    assert np.allclose(d1.loss_fn_inputs["advantages"], [0, 0, 0.5, 0])
+    assert np.allclose(d1.loss_fn_inputs["logprobs"], [0, 0, -0.5, 0])

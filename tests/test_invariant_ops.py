@@ -15,26 +15,37 @@ def _row_of(fn, x, M, pos):
     return fn(A)[pos]
 
 
+def test_mkl_runs_in_strict_cnr_mode():
+    """The engine put MKL in strict CNR mode before its first call (see engine/invariant.py)."""
+    assert inv.MKL_MODE in ("strict", "no-mkl")
+    if inv.MKL_MODE == "strict":
+        assert inv._mkl().mkl_serv_cbwr_get(inv.MKL_CBWR_ALL) & inv.MKL_CBWR_STRICT
+
+
 def test_linear_rows_invariant_to_batch_and_threads():
     torch.manual_seed(0)
-    W, b = torch.randn(96, 64), torch.randn(96)
-    x = torch.randn(64)
-    outs = []
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        for M in (1, 2, 3, 7, 8, 9, 31, 64, 257):
-            for pos in {0, M // 2, M - 1}:
-                outs.append(_row_of(lambda A: inv.linear(A, W, b), x, M, pos))
-    assert all(torch.equal(o, outs[0]) for o in outs)
+    # Reductions of 64 to 2048: without strict CNR, AVX-512 MKL splits K >= 256 differently by M.
+    for n_out, n_in in ((96, 64), (128, 512), (512, 2048)):
+        W, b = torch.randn(n_out, n_in), torch.randn(n_out)
+        x = torch.randn(n_in)
+        outs = []
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            for M in (1, 2, 3, 7, 8, 9, 16, 31, 64, 208, 257):
+                for pos in {0, M // 2, M - 1}:
+                    outs.append(_row_of(lambda A: inv.linear(A, W, b), x, M, pos))
+        assert all(torch.equal(o, outs[0]) for o in outs), (n_out, n_in)
 
 
-def test_plain_mm_is_not_row_invariant_without_padding():
-    """Why linear pads rows: MKL takes another kernel for M < 4."""
+def test_batched_matmul_is_not_row_invariant_without_padding():
+    """Why rows are padded to ROW_TILE: a batched matmul with 1 row per matrix takes another
+    kernel than one with 8 (attention runs per KV head on a few query rows in decode)."""
     torch.manual_seed(0)
-    W, x = torch.randn(96, 64), torch.randn(64)
-    single = (x[None] @ W.t())[0]
-    batched = _row_of(lambda A: A @ W.t(), x, 64, 5)
-    assert not torch.equal(single, batched)
+    V, x = torch.randn(2, 2, 64, 33), torch.randn(64)
+    single = torch.matmul(x.expand(2, 2, 1, 64).contiguous(), V)[1, 0, 0]
+    P = torch.randn(2, 2, inv.ROW_TILE, 64)
+    P[1, 0, 3] = x
+    assert not torch.equal(single, torch.matmul(P, V)[1, 0, 3])
 
 
 def test_composed_silu_and_rmsnorm_agree_between_vector_and_scalar_paths():

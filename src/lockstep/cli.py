@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def _cmd_check_consistency(args) -> int:
@@ -35,22 +36,37 @@ def _cmd_check_consistency(args) -> int:
     return 0 if ok else 1
 
 
+def _load_spec(args):
+    import dataclasses
+
+    from lockstep.config import ConfigError, load
+
+    if args.resume:
+        if args.config or args.overrides:
+            raise ConfigError("--resume continues a run with its own config.json; drop the config and overrides")
+        path = Path(args.resume) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"--resume {args.resume}: no config.json there (is it a run directory?)")
+        from lockstep.config import from_dict
+
+        spec = from_dict(json.loads(path.read_text()))
+    else:
+        spec = load(args.config, args.overrides)
+    if args.ray_address:
+        spec = dataclasses.replace(spec, runtime=dataclasses.replace(spec.runtime, ray_address=args.ray_address))
+    return spec
+
+
 def _cmd_run(args) -> int:
     import time
 
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from lockstep.config import load
     from lockstep.runtime.plan import make_plan
-
-    spec = load(args.config, args.overrides)
-    if args.ray_address:
-        import dataclasses
-
-        spec = dataclasses.replace(spec, runtime=dataclasses.replace(spec.runtime, ray_address=args.ray_address))
     from lockstep.runtime.run import check_losses
 
+    spec = _load_spec(args)
     check_losses(spec)
     plan = make_plan(spec)
     console = Console()
@@ -61,8 +77,8 @@ def _cmd_run(args) -> int:
         return 0
     from lockstep.runtime.run import run
 
-    run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
-    console.print(f"[bold]lockstep run[/bold] -> {run_dir}")
+    run_dir = args.resume or args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+    console.print(f"[bold]lockstep run[/bold] -> {run_dir}" + (" (resuming)" if args.resume else ""))
     total = sum(s.steps for s in spec.stages)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
                   TimeElapsedColumn(), console=console, transient=False) as bar:
@@ -72,9 +88,7 @@ def _cmd_run(args) -> int:
             info = f"acc {acc:.2f}" + (f"  reward {reward:.2f}" if reward is not None else "")
             bar.update(task, completed=step, description=what, info=info)
 
-        from pathlib import Path
-
-        summary = run(spec, Path(run_dir), progress)
+        summary = run(spec, Path(run_dir), progress, resume=bool(args.resume))
     console.print(
         f"accuracy: start {summary['eval_accuracy_start']:.2f} -> after SFT {summary['eval_accuracy_after_sft']:.2f}"
         f" -> final {summary['eval_accuracy_final']:.2f} in {summary['wall_seconds']:.0f}s; "
@@ -92,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", help="where to write the run (default: runs/<timestamp>)")
     run.add_argument("--ray-address", help="join an existing Ray cluster instead of starting one")
     run.add_argument("--dry-run", action="store_true", help="print the resolved config and plan, then exit")
+    run.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint")
     run.set_defaults(func=_cmd_run)
     check = sub.add_parser("check", help="self-checks")
     check_sub = check.add_subparsers(dest="check", required=True)

@@ -33,6 +33,8 @@ def _coerce(path: str, value: Any, annotation) -> Any:
         return float(value)
     if annotation in (int, float, str, bool) and (type(value) is not annotation):
         raise ConfigError(f"{path}: expected {annotation.__name__}, got {type(value).__name__} {value!r}")
+    if annotation is dict and not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a table, got {type(value).__name__} {value!r}")
     return value
 
 

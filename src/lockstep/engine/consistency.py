@@ -137,4 +137,6 @@ def run(model_dir: str, *, seed: int = 0, max_tokens: int = 16, lora_rank: int =
             case = {"lora": lora_on, "batch": bs}
             ours.cases.append({**case, **_invariant_case(trainer, prompts, max_tokens, seed + bs, ours)})
             hf.cases.append({**case, **_hf_case(plain, prompts, max_tokens, seed + bs, pad, hf)})
-    return {**ours.summary(), "cases": ours.cases, "hf": {**hf.summary(), "cases": hf.cases}}
+    from lockstep.engine.invariant import MKL_MODE
+
+    return {**ours.summary(), "mkl_mode": MKL_MODE, "cases": ours.cases, "hf": {**hf.summary(), "cases": hf.cases}}

@@ -1,12 +1,18 @@
 """Batch-invariant building blocks for fp32 on CPU.
 
 A token's result must not depend on which other rows share its batch, on padding, or on whether
-it is computed in a KV-cache decode step or in a full-sequence forward. Measured on MKL (AVX2,
-1 to 16 threads; see tests/test_invariant_ops.py, which re-checks every rule here):
+it is computed in a KV-cache decode step or in a full-sequence forward. The rules, re-checked by
+tests/test_invariant_ops.py:
 
-* `mm` gives a row the same bits whatever M is, as long as M is a multiple of ROW_TILE; with M < 4,
-  or a thread split that leaves a thread fewer than 4 rows, MKL takes other kernels. So every matmul
-  pads its rows to a multiple of ROW_TILE.
+* MKL runs in strict CNR mode (`MKL_CBWR=AUTO,STRICT`, set by `require_strict_mkl()` at import).
+  Without it MKL picks sgemm kernels and K-splits by M and thread count, and those choices differ
+  between CPUs: on AVX2 (EPYC) rows matched for M a multiple of 8, but on AVX-512 (Xeon) rows of
+  M = 8 and M >= 16 differ once K >= 256, and at 2 threads M = 16 and M = 64 differ for K >= 1024.
+  Strict mode fixes the reduction order per output element, at no measured speed cost here
+  (2048 x 512 x 128 sgemm: 322 vs 325 GFLOP/s).
+* `mm` then gives a row the same bits whatever M and the thread count; every matmul still pads
+  its rows to a multiple of ROW_TILE, which batched matmuls need (with R = 1 or 2 rows per
+  matrix, bmm takes another kernel even in strict mode).
 * `bmm` with a fixed per-matrix shape is invariant to the batch count.
 * `exp`, `cos`, `sin`, `log`, `sqrt` and IEEE arithmetic agree between ATen's vector and scalar
   tail paths; `sigmoid`, `silu`, `rsqrt` and `gelu` do not (up to 1 ulp), so SiLU and RMSNorm are
@@ -20,7 +26,51 @@ it is computed in a KV-cache decode step or in a full-sequence forward. Measured
 
 from __future__ import annotations
 
+import ctypes
+import glob
+import os
+import warnings
+
 import torch
+
+MKL_CBWR_AUTO, MKL_CBWR_STRICT, MKL_CBWR_ALL = 2, 0x10000, -1
+
+
+def _mkl():
+    """MKL's service functions inside libtorch, or None when torch is not built with MKL."""
+    if not torch.backends.mkl.is_available():
+        return None
+    for path in glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.*")):
+        try:
+            lib = ctypes.CDLL(path)
+            get, set_ = lib.mkl_serv_cbwr_get, lib.mkl_serv_cbwr_set
+        except (OSError, AttributeError):
+            continue
+        get.argtypes, get.restype, set_.argtypes, set_.restype = [ctypes.c_int], ctypes.c_int, [ctypes.c_int], ctypes.c_int
+        return lib
+    return None
+
+
+def require_strict_mkl() -> str:
+    """Put MKL in strict CNR mode (see the module docstring); returns the mode in effect.
+
+    MKL only accepts a mode before its first call, so this runs when the engine is imported; the
+    environment variable carries the mode into child processes (Ray workers). If MKL was already
+    used in this process in another mode, sampler and trainer may disagree: warn, loudly.
+    """
+    os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+    lib = _mkl()
+    if lib is None:
+        return "no-mkl"
+    if lib.mkl_serv_cbwr_get(MKL_CBWR_ALL) & MKL_CBWR_STRICT or lib.mkl_serv_cbwr_set(MKL_CBWR_AUTO | MKL_CBWR_STRICT) == 0:
+        return "strict"
+    warnings.warn("MKL is not in strict CNR mode (it was used before lockstep was imported, with MKL_CBWR unset or "
+                  "not STRICT): sampler and trainer logprobs may differ in the last bits. Set MKL_CBWR=AUTO,STRICT "
+                  "in the environment, or import lockstep before running any torch matmul.", RuntimeWarning, stacklevel=2)
+    return "not-strict"
+
+
+MKL_MODE = require_strict_mkl()
 
 ROW_TILE = 8
 KEY_BLOCK = 32

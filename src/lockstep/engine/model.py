@@ -205,8 +205,14 @@ class InvariantLM:
 
     def logprobs_of(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """log p(target) for each hidden row; hidden (..., H), targets (...)."""
+        return self.logprobs_and_entropy(hidden, targets)[0]
+
+    def logprobs_and_entropy(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p(target) and the entropy of the next-token distribution (no gradient) per row."""
         lp = inv.log_softmax(self.logits(hidden))
-        return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        with torch.no_grad():
+            entropy = -(lp.exp() * lp).sum(-1)
+        return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
     def _mlp(self, i: int, mlp, h: torch.Tensor) -> torch.Tensor:
         mods = (mlp.gate_proj, mlp.up_proj)

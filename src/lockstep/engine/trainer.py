@@ -53,11 +53,16 @@ class Trainer:
         return trainer
 
     # -- forward -----------------------------------------------------------------------------
-    def _logprobs(self, batch: Batch) -> torch.Tensor:
-        """Learner log p(target) at every valid position, flattened over datums."""
+    def _logprobs(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Learner log p(target) at every valid position, flattened over datums, and the mean
+        entropy of the learner's distribution where the loss applies (weights > 0)."""
         hidden = self.model.hidden_states(batch.tokens_BT)
-        lp_BT = self.model.logprobs_of(hidden, batch.targets_BT)
-        return lp_BT[batch.valid_BT]
+        lp_BT, entropy_BT = self.model.logprobs_and_entropy(hidden, batch.targets_BT)
+        entropy_T = entropy_BT[batch.valid_BT]
+        if "weights" in batch.floats:
+            entropy_T = entropy_T[batch.floats["weights"] > 0]
+        metrics = {"entropy:mean": float(entropy_T.mean())} if entropy_T.numel() else {}
+        return lp_BT[batch.valid_BT], metrics
 
     def _loss(self, batch: Batch, lp_T: torch.Tensor, loss_fn: str, config: Mapping[str, float]):
         f = batch.floats
@@ -91,16 +96,17 @@ class Trainer:
         """Logprobs and loss without touching gradients."""
         batch = make_batch(data, self.vocab_size)
         with torch.no_grad():
-            lp_T = self._logprobs(batch)
+            lp_T, entropy = self._logprobs(batch)
             elementwise, metrics = self._loss(batch, lp_T, loss_fn, loss_fn_config)
-        return self._outputs(batch, lp_T, elementwise, metrics, elementwise.sum())
+        return self._outputs(batch, lp_T, elementwise, {**metrics, **entropy}, elementwise.sum())
 
     def forward_backward(self, data: Sequence[Datum], loss_fn: str, loss_fn_config=None) -> ForwardBackwardOutput:
         """Accumulate gradients of sum(elementwise loss); returns per-datum logprobs and metrics."""
         batch = make_batch(data, self.vocab_size)
         with torch.enable_grad():
-            lp_T = self._logprobs(batch)
+            lp_T, entropy = self._logprobs(batch)
             elementwise, metrics = self._loss(batch, lp_T, loss_fn, loss_fn_config)
+            metrics = {**metrics, **entropy}
             loss = elementwise.sum()
             if not torch.isfinite(loss):
                 raise EngineError(f"loss is {float(loss)}; gradients were not applied")

@@ -3,6 +3,9 @@
 A problem is "a+b=" with a, b drawn uniformly from [0, 10**digits); the answer is the decimal sum
 followed by EOS. Reward is 1 for an exact answer and 0 otherwise. The held-out set is drawn from its
 own seed and excluded from training, so evaluation never sees a training problem.
+
+With `max_turns > 1` an episode is multi-turn: after a wrong answer the env appends feedback and
+the prompt again, and the model answers once more; a correct answer on turn t earns 0.5**(t-1).
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from lockstep.envs.types import Observation, StepResult
+from lockstep.envs.types import DataReport, Observation, SFTExample, StepResult
+
+FEEDBACK = " no; "
+"""Text the multi-turn env inserts after a wrong answer, before repeating the prompt."""
 
 
 @dataclass(frozen=True)
@@ -40,39 +46,47 @@ def is_correct(problem: Problem, tokens: Sequence[int], tokenizer) -> bool:
 
 
 class ArithmeticEnv:
-    """One episode: one problem, one answer."""
+    """One episode: one problem, up to `max_turns` answers."""
 
-    def __init__(self, problem: Problem, tokenizer, *, max_tokens: int):
+    def __init__(self, problem: Problem, tokenizer, *, max_tokens: int, max_turns: int = 1):
         self.problem = problem
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
+        self.max_turns = max_turns
+        self.context: tuple[int, ...] = ()
+        self.turn = 0
 
     async def initial_observation(self) -> Observation:
-        return Observation(tuple(self.tokenizer.encode(self.problem.prompt)), None, self.max_tokens)
+        self.context, self.turn = tuple(self.tokenizer.encode(self.problem.prompt)), 0
+        return Observation(self.context, None, self.max_tokens)
 
     async def step(self, action: Sequence[int]) -> StepResult:
-        correct = float(is_correct(self.problem, action, self.tokenizer))
-        return StepResult(reward=correct, episode_done=True, metrics={"correct": correct})
+        self.turn += 1
+        correct = is_correct(self.problem, action, self.tokenizer)
+        if correct or self.turn >= self.max_turns:
+            reward = 0.5 ** (self.turn - 1) if correct else 0.0
+            return StepResult(reward, True, metrics={"correct": float(correct), "turns": float(self.turn)})
+        retry = tuple(self.tokenizer.encode(FEEDBACK + self.problem.prompt))
+        self.context = self.context + tuple(action) + retry
+        return StepResult(0.0, False, Observation(self.context, None, self.max_tokens))
 
-    def snapshot(self) -> Problem:
-        return self.problem
+    def snapshot(self) -> tuple:
+        return self.context, self.turn
 
-    def restore(self, snapshot: Problem) -> None:
-        self.problem = snapshot
+    def restore(self, snapshot: tuple) -> None:
+        self.context, self.turn = snapshot
 
 
 @dataclass(frozen=True)
 class ArithmeticGroupBuilder:
     group_id: str
     problem: Problem
-    tokenizer_dir: str
     max_tokens: int
+    max_turns: int = 1
 
-    def make_envs(self, group_size: int, tokenizer=None):
-        from transformers import AutoTokenizer
-
-        tok = tokenizer or AutoTokenizer.from_pretrained(self.tokenizer_dir)
-        return [ArithmeticEnv(self.problem, tok, max_tokens=self.max_tokens) for _ in range(group_size)]
+    def make_envs(self, group_size: int, tokenizer) -> list[ArithmeticEnv]:
+        return [ArithmeticEnv(self.problem, tokenizer, max_tokens=self.max_tokens, max_turns=self.max_turns)
+                for _ in range(group_size)]
 
 
 class ArithmeticTask:
@@ -101,3 +115,67 @@ class ArithmeticTask:
     @staticmethod
     def sft_text(p: Problem) -> str:
         return p.prompt + p.answer
+
+
+PROCEDURAL_BATCHES = 2**31
+"""`len()` of a procedural dataset: it never runs out."""
+
+
+class _TrainBatches:
+    def __init__(self, suite: "ArithmeticSuite", batch_size: int):
+        self.suite, self.batch_size = suite, batch_size
+
+    def get_batch(self, index: int) -> list[ArithmeticGroupBuilder]:
+        s = self.suite
+        return [ArithmeticGroupBuilder(f"arith-{index}-{i}", p, s.max_tokens, s.max_turns)
+                for i, p in enumerate(s.task.problems(index, self.batch_size, stream="rl"))]
+
+    def __len__(self) -> int:
+        return PROCEDURAL_BATCHES
+
+
+class _SolvedBatches:
+    def __init__(self, suite: "ArithmeticSuite", batch_size: int):
+        self.suite, self.batch_size = suite, batch_size
+
+    def get_batch(self, index: int) -> list[SFTExample]:
+        tok, eos = self.suite.tokenizer, self.suite.tokenizer.eos_token_id
+        return [SFTExample(tuple(tok.encode(p.prompt)), tuple(tok.encode(p.answer)) + (eos,))
+                for p in self.suite.task.problems(index, self.batch_size, stream="sft")]
+
+    def __len__(self) -> int:
+        return PROCEDURAL_BATCHES
+
+
+class ArithmeticSuite:
+    name = "arithmetic"
+
+    def __init__(self, tokenizer, *, digits: int, seed: int, num_heldout: int, max_tokens: int, max_turns: int):
+        self.tokenizer = tokenizer
+        self.task = ArithmeticTask(digits=digits, seed=seed, num_heldout=num_heldout)
+        self.seed, self.max_tokens, self.max_turns = seed, max_tokens, max_turns
+        self._reports: dict[str, DataReport] = {}
+
+    def train(self, batch_size: int) -> _TrainBatches:
+        return _TrainBatches(self, batch_size)
+
+    def heldout(self) -> list[ArithmeticGroupBuilder]:
+        return [ArithmeticGroupBuilder(f"heldout-{i}", p, self.max_tokens, self.max_turns)
+                for i, p in enumerate(self.task.heldout)]
+
+    def sft(self, batch_size: int, path: str = ""):
+        if not path:
+            return _SolvedBatches(self, batch_size)
+        from lockstep.envs.rows import sft_from_file
+
+        dataset, self._reports[path] = sft_from_file(path, self.tokenizer, batch_size=batch_size, seed=self.seed)
+        return dataset
+
+    @property
+    def data_reports(self) -> dict[str, DataReport]:
+        return dict(self._reports)
+
+
+def make_suite(spec, tokenizer, seed: int) -> ArithmeticSuite:
+    return ArithmeticSuite(tokenizer, digits=spec.digits, seed=seed, num_heldout=spec.num_heldout,
+                           max_tokens=spec.max_tokens, max_turns=spec.max_turns)

@@ -3,21 +3,22 @@
 Each actor sets its own torch thread count (Ray would otherwise give it 1, and two actors each
 taking every core oversubscribe a small machine). Weights travel as a dict of NumPy arrays through
 Ray's object store: on one node the generator maps them zero-copy and swaps its parameters to
-point at them between decode steps.
+point at them between decode steps. Every actor reports an `incarnation` id in `stats()`, so the
+controller can tell that Ray restarted it (and must give it weights again).
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
+import uuid
 import warnings
 from typing import Sequence
 
 import numpy as np
 import ray
 
-from lockstep.runtime.types import RolloutGroup, Sample
+from lockstep.runtime.episodes import run_episodes
 
 
 def _set_threads(n: int) -> None:
@@ -35,9 +36,14 @@ def _load(model_path: str, lora_rank: int, lora_alpha: float):
 
 
 def _mismatch(data, outputs, sampled_from) -> dict:
-    """max/mean |Δlogp|, the k3 KL estimate and the normalised ESS of trainer vs sampler logprobs."""
-    train = np.concatenate([o["logprobs"][k:] for o, k in zip(outputs, sampled_from)]).astype(np.float64)
-    sample = np.concatenate([d.loss_fn_inputs["logprobs"][k:] for d, k in zip(data, sampled_from)]).astype(np.float64)
+    """max/mean |Δlogp|, the k3 KL estimate and the normalised ESS of trainer vs sampler logprobs,
+    over the sampled tokens (weights > 0 from `sampled_from[i]` on)."""
+    train, sample = [], []
+    for d, o, k in zip(data, outputs, sampled_from):
+        keep = d.loss_fn_inputs["weights"][k:] > 0
+        train.append(o["logprobs"][k:][keep])
+        sample.append(d.loss_fn_inputs["logprobs"][k:][keep])
+    train, sample = np.concatenate(train).astype(np.float64), np.concatenate(sample).astype(np.float64)
     if train.size == 0:
         return {}
     delta = train - sample
@@ -50,13 +56,14 @@ def _mismatch(data, outputs, sampled_from) -> dict:
 
 @ray.remote
 class TrainerActor:
-    """Owns the trainable weights and the optimizer; publishes weights with integer versions."""
+    """Owns the trainable weights and the optimizer; publishes weights with integer versions
+    (the version is the optimizer step, so it survives a checkpoint round trip)."""
 
     def __init__(self, model_path: str, lora_rank: int, lora_alpha: float, threads: int):
         _set_threads(threads)
         self.trainer = _load(model_path, lora_rank, lora_alpha)
-        self.version = 0
         self.busy_s = 0.0
+        self.incarnation = uuid.uuid4().hex
 
     def train(self, data, loss: str, adam: dict, loss_config: dict | None = None,
               sampled_from: list[int] | None = None) -> dict:
@@ -70,7 +77,6 @@ class TrainerActor:
         if sampled_from is not None:
             metrics.update(_mismatch(data, out.loss_fn_outputs, sampled_from))
         metrics.update(self.trainer.optim_step(AdamParams(**adam)))
-        self.version += 1
         self.busy_s += time.perf_counter() - t
         metrics["trainer_busy_s:sum"] = time.perf_counter() - t
         return metrics
@@ -78,10 +84,15 @@ class TrainerActor:
     @ray.method(num_returns=2)
     def publish(self) -> tuple[int, dict[str, np.ndarray]]:
         """(version, weights); returned through the object store, so readers map it zero-copy."""
-        return self.version, self.trainer.weights_numpy()
+        return self.trainer.step, self.trainer.weights_numpy()
 
     def save_state(self, path: str, data_position) -> str:
         return str(self.trainer.save_state(path, data_position=data_position, overwrite=True))
+
+    def load_state(self, path: str) -> dict:
+        """Weights, optimizer, RNG and step from a checkpoint; returns its data position."""
+        self.trainer.load_state(path)
+        return self.trainer.data_position
 
     def export(self, path: str) -> str:
         return str(self.trainer.save_weights_for_sampler(path, kind="merged", overwrite=True))
@@ -90,16 +101,18 @@ class TrainerActor:
         _set_threads(n)
 
     def stats(self) -> dict:
-        return {"version": self.version, "busy_s": self.busy_s}
+        return {"version": self.trainer.step, "busy_s": self.busy_s, "incarnation": self.incarnation}
 
 
-@ray.remote(max_concurrency=2)
+@ray.remote(concurrency_groups={"weights": 1, "sample": 1})
 class GeneratorActor:
     """Samples with the engine's sampler; accepts new weights while it decodes.
 
-    `set_weights` runs on a second thread and only parks the new version; the decode loop picks
-    it up between steps, re-prefills its active rows under the new weights, and tags later
-    tokens with the new version. So every token's logprob is exactly that of the version it records.
+    Two concurrency groups: `sample` runs one sampling call at a time (calls from several env
+    workers queue), `weights` runs `set_weights` / `stats` alongside it. `set_weights` only parks
+    the new version; the decode loop picks it up between steps, re-prefills its active rows under
+    the new weights, and tags later tokens with the new version. So every token's logprob is
+    exactly that of the version it records.
     """
 
     def __init__(self, model_path: str, lora_rank: int, lora_alpha: float, threads: int):
@@ -108,25 +121,26 @@ class GeneratorActor:
 
         trainer = _load(model_path, lora_rank, lora_alpha)  # same module tree and parameter names
         self.params = trainer.params
-        self.model = trainer.model
-        self.tokenizer = trainer.tokenizer
-        self.sampler = Sampler(self.model, self.tokenizer)
-        self._pending: tuple[int, dict] | None = None
+        self.sampler = Sampler(trainer.model, trainer.tokenizer)
+        self._pending: tuple | None = None
         self._lock = threading.Lock()
         self.busy_s = 0.0
         self.swap_latency_s: list[float] = []
+        self.incarnation = uuid.uuid4().hex
 
+    @ray.method(concurrency_group="weights")
     def set_weights(self, version: int, weights: dict, published_at: float) -> None:
+        """Park weights for the next decode step. The controller waits on each call, so the last
+        call is always the newest weights (after a rollback to a checkpoint, a lower version)."""
         with self._lock:
-            if self._pending is None or version > self._pending[0]:
-                self._pending = (version, weights, published_at)
+            self._pending = (version, weights, published_at)
 
     def _apply_pending(self) -> bool:
         import torch
 
         with self._lock:
             pending, self._pending = self._pending, None
-        if pending is None or pending[0] <= self.sampler.policy_version:
+        if pending is None or pending[0] == self.sampler.policy_version:
             return False
         version, weights, published_at = pending
         with warnings.catch_warnings():
@@ -137,77 +151,58 @@ class GeneratorActor:
         self.swap_latency_s.append(time.time() - published_at)
         return True
 
-    def generate(self, groups: Sequence[RolloutGroup], group_size: int, max_tokens: int,
-                 temperature: float, seed: int) -> list[RolloutGroup]:
-        from lockstep.engine.types import SampleRequest, SamplingParams
-
+    @ray.method(concurrency_group="sample")
+    def sample(self, requests: Sequence) -> list:
+        """Engine SampleRequests -> SampleResults, under the newest weights (hot-swapped mid-call)."""
         t = time.perf_counter()
         self._apply_pending()
-        reqs = [SampleRequest(g.prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                                       seed=seed + i), num_samples=group_size)
-                for i, g in enumerate(groups)]
-        results = self.sampler.sample(reqs, between_steps=self._apply_pending)
+        results = self.sampler.sample(list(requests), between_steps=self._apply_pending)
         self.busy_s += time.perf_counter() - t
-        out = []
-        for g, r in zip(groups, results):
-            samples = tuple(Sample(s.tokens, s.logprobs, s.policy_version, s.stop_reason) for s in r.sequences)
-            out.append(RolloutGroup(g.group_id, g.prompt, g.problem, samples))
-        return out
+        return results
 
-    def greedy(self, prompts: Sequence[tuple[int, ...]], max_tokens: int) -> tuple[int, list[tuple[int, ...]]]:
-        """Greedy completions under the newest published weights: (version, completions)."""
-        from lockstep.engine.types import SampleRequest, SamplingParams
-
-        self._apply_pending()
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        res = self.sampler.sample([SampleRequest(tuple(p), params) for p in prompts])
-        return self.sampler.policy_version, [r.sequences[0].tokens for r in res]
-
+    @ray.method(concurrency_group="sample")
     def set_threads(self, n: int) -> None:
-        _set_threads(n)
+        _set_threads(n)  # in the sampling group: never changes the pool mid-forward
 
+    @ray.method(concurrency_group="weights")
     def stats(self) -> dict:
         lat = self.swap_latency_s
-        return {"version": self.sampler.policy_version, "busy_s": self.busy_s,
+        return {"version": self.sampler.policy_version, "busy_s": self.busy_s, "incarnation": self.incarnation,
                 "swap_latency_s_max": max(lat) if lat else 0.0, "swap_latency_s_last": lat[-1] if lat else 0.0,
                 "swaps": len(lat)}
 
 
 @ray.remote
 class EnvWorker:
-    """Scores rollout groups with the env; exceptions and timeouts are retried, then counted."""
+    """Rolls groups out: runs each episode's envs, asking the generator for every turn's tokens.
 
-    def __init__(self, tokenizer_dir: str, max_tokens: int, retries: int = 2, timeout_s: float = 30.0):
+    Env exceptions and timeouts are retried (from a snapshot when the env can fork), then the
+    sample counts as failed; they never crash the run.
+    """
+
+    def __init__(self, tokenizer_dir: str, generator: str, *, retries: int, timeout_s: float, call_timeout_s: float):
+        """`generator` is the generator actor's name (a name, not a handle, so that Ray can
+        restart this actor without keeping constructor arguments in the object store)."""
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        self.max_tokens = max_tokens
-        self.retries = retries
-        self.timeout_s = timeout_s
+        self.generator = ray.get_actor(generator)
+        self.retries, self.timeout_s, self.call_timeout_s = retries, timeout_s, call_timeout_s
         self.busy_s = 0.0
+        self.incarnation = uuid.uuid4().hex
 
-    async def _score_one(self, problem, tokens) -> tuple[float, dict, bool]:
-        from lockstep.envs.arithmetic import ArithmeticEnv
+    async def _sample(self, requests):
+        import asyncio
 
-        for attempt in range(self.retries + 1):
-            try:
-                env = ArithmeticEnv(problem, self.tokenizer, max_tokens=self.max_tokens)
-                await asyncio.wait_for(env.initial_observation(), self.timeout_s)
-                result = await asyncio.wait_for(env.step(list(tokens)), self.timeout_s)
-                return float(result.reward), dict(result.metrics), True
-            except Exception:  # noqa: BLE001 - any env failure is retried, then counted, never fatal
-                continue
-        return 0.0, {}, False
+        ref = self.generator.sample.remote(requests)
+        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.call_timeout_s)
 
-    async def score(self, groups: Sequence[RolloutGroup]) -> tuple[list[RolloutGroup], int]:
-        t = time.perf_counter()
-        out, failures = [], 0
-        for g in groups:
-            scored = []
-            for s in g.samples:
-                reward, metrics, ok = await self._score_one(g.problem, s.tokens)
-                failures += not ok
-                scored.append(Sample(s.tokens, s.logprobs, s.version, s.stop_reason, reward, metrics))
-            out.append(RolloutGroup(g.group_id, g.prompt, g.problem, tuple(scored)))
-        self.busy_s += time.perf_counter() - t
-        return out, failures
+    async def rollout(self, request) -> list:
+        """A RolloutRequest -> RolloutGroups with rewards, tokens, exact logprobs and versions."""
+        groups, env_s = await run_episodes(request, self.tokenizer, self._sample, retries=self.retries,
+                                           timeout_s=self.timeout_s)
+        self.busy_s += env_s
+        return groups
+
+    def stats(self) -> dict:
+        return {"busy_s": self.busy_s, "incarnation": self.incarnation}

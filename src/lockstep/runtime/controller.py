@@ -1,26 +1,28 @@
 """The controller: wires Ray actors into the Generate -> Reward -> Train -> Update loop.
 
-            prompts (ArithmeticTask batches of groups)
+            prompts (RLDataset batches of EnvGroupBuilders; replays first)
                  |
                  v
-   +----------------------+  groups: tokens + exact sampler logprobs + version per sample
-   | GeneratorActor       |-------------------------------+
-   | KV cache, prefix     |                               v
-   | sharing, hot-swap    |                  +----------------------+
-   +----------^-----------+                  | EnvWorker pool       | rewards (retried, counted)
-              | weights v+1 (object store,   +----------+-----------+
-              | zero-copy)                              v
-   +----------+-----------+              +------------------------------+
-   | publish (version)    |              | clean(): staleness gate,     | zero-variance dropped and
-   +----------^-----------+              | truncation, repetition flags | refilled, counts reported
-              |                          +----------+-------------------+
-   +----------+-----------+                         v
-   | TrainerActor         |<---- datums (GRPO advantages, IS loss) ----+
+   +----------------------+  sample(requests), once per turn   +----------------------+
+   | GeneratorActor       |<-----------------------------------| EnvWorker pool       |
+   | KV cache, prefix     |----------------------------------->| episodes: env turns, |
+   | sharing, hot-swap    |  tokens + exact logprobs + version | rewards (retried)    |
+   +----------^-----------+                                    +----------+-----------+
+              | weights v+1 (object store,                                | rollout groups
+              | zero-copy)                                                v
+   +----------+-----------+              +-----------------------------------------+
+   | publish (version)    |              | ledger (issued -> generated -> rewarded  |
+   +----------^-----------+              | -> trained | filtered) + clean(): stale, |
+              |                          | zero-variance refill, truncation, repeats|
+   +----------+-----------+              +--------------------+--------------------+
+   | TrainerActor         |<---- datums (advantages, sampler logprobs, loss) -------+
    +----------------------+
 
-Contract of the RL loop: it keeps up to `max_staleness + 1` generation batches in flight (so with
-0 it is synchronous on-policy), consumes finished batches in order, waits only on the oldest, and
+Contract of the RL loop: it keeps up to `max_staleness + 1` rollout batches in flight (so with 0
+it is synchronous on-policy), consumes finished batches in order, waits only on the oldest, and
 trains whenever `prompts_per_step` clean groups are buffered. Every remote call has a deadline.
+A batch lost to a crashed generator or env worker is replayed once Ray has restarted it; a crashed
+trainer raises TrainerLost, and the run resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -31,11 +33,10 @@ from dataclasses import dataclass, field
 
 import ray
 
-from lockstep.config.types import RunSpec, StageSpec
-from lockstep.envs.arithmetic import ArithmeticTask, is_correct
-from lockstep.runtime.filters import clean, to_datums, too_stale
-from lockstep.runtime.types import RolloutGroup
-
+from lockstep.config.types import StageSpec
+from lockstep.runtime.filters import FilterReport, clean, to_datums, too_stale
+from lockstep.runtime.ledger import Ledger
+from lockstep.runtime.types import RolloutGroup, RolloutRequest
 
 MAX_REFILL_BATCHES = 4
 """Dynamic sampling draws at most this many batches per step before completing the batch with
@@ -46,14 +47,36 @@ class ComponentError(RuntimeError):
     """A component failed or missed its deadline."""
 
 
+class ComponentDead(ComponentError):
+    """An actor died and Ray has no restarts left for it (runtime.max_restarts)."""
+
+
+class TrainerLost(RuntimeError):
+    """The trainer crashed and Ray restarted it: its state since the last checkpoint is gone."""
+
+
+def is_component_loss(e: BaseException) -> bool:
+    """A call failed because an actor (possibly one it called) died or was restarting."""
+    seen = 0
+    if isinstance(e, ComponentDead):
+        return False
+    while e is not None and seen < 8:
+        if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+            return True
+        e, seen = getattr(e, "cause", None) or e.__cause__, seen + 1
+    return False
+
+
 def wait(ref, timeout: float, what: str):
     """ray.get with a deadline: a hang or a dead actor becomes a clear error, never a stall."""
     try:
         return ray.get(ref, timeout=timeout)
     except ray.exceptions.GetTimeoutError:
         raise ComponentError(f"{what} did not answer within {timeout:.0f}s (runtime.call_timeout_s)") from None
-    except ray.exceptions.RayActorError as e:
-        raise ComponentError(f"{what}: the actor died ({e.__class__.__name__}); see the Ray worker logs") from e
+    except Exception as e:
+        if is_component_loss(e):
+            raise ComponentError(f"{what}: a component died ({e.__class__.__name__}); see the Ray worker logs") from e
+        raise
 
 
 @dataclass
@@ -61,49 +84,87 @@ class Components:
     trainer: "ray.actor.ActorHandle"
     generator: "ray.actor.ActorHandle"
     envs: list
-    tokenizer: object
-    task: ArithmeticTask
     timeout: float
     version: int = 0
+    weights_ref: object = None
+    threads: tuple[int, int] = (1, 1)
+    """(trainer, generator) torch threads, re-applied to a restarted actor."""
+    incarnations: dict = field(default_factory=dict)
     env_turn: int = 0
     stats: dict = field(default_factory=lambda: collections.defaultdict(float))
+
+    def actors(self) -> dict:
+        return {"trainer": self.trainer, "generator": self.generator,
+                **{f"env{i}": e for i, e in enumerate(self.envs)}}
 
     def publish(self) -> None:
         """Put the trainer's weights in the object store and point the generator at them."""
         version_ref, weights_ref = self.trainer.publish.remote()
         self.version = wait(version_ref, self.timeout, "trainer.publish")
-        # Parking the weights is instant; waiting for it orders it before the next generate call
-        # (a threaded actor does not order calls), which keeps max_staleness=0 truly on-policy.
+        self.weights_ref = weights_ref
+        # Parking the weights is instant; waiting for it orders it before the next sample call
+        # (the weights group runs beside sampling), which keeps max_staleness=0 truly on-policy.
         wait(self.generator.set_weights.remote(self.version, weights_ref, time.time()), self.timeout, "generator.set_weights")
 
-    def score(self, groups):
+    def set_threads(self, trainer: int, generator: int) -> None:
+        self.threads = (trainer, generator)
+        wait(self.trainer.set_threads.remote(trainer), self.timeout, "trainer.set_threads")
+        wait(self.generator.set_threads.remote(generator), self.timeout, "generator.set_threads")
+
+    def rollout(self, request: RolloutRequest):
         env = self.envs[self.env_turn % len(self.envs)]
         self.env_turn += 1
-        return env.score.remote(groups)
+        return env.rollout.remote(request)
+
+    def stat(self, name: str) -> dict:
+        return wait(self.actors()[name].stats.remote(), self.timeout, f"{name}.stats")
+
+    def ping(self, name: str) -> dict:
+        """stats() of an actor, waiting while Ray restarts it; out of restarts is an error."""
+        deadline = time.time() + self.timeout
+        while True:
+            try:
+                return ray.get(self.actors()[name].stats.remote(), timeout=max(1.0, deadline - time.time()))
+            except ray.exceptions.ActorUnavailableError:
+                if time.time() > deadline:
+                    raise ComponentError(f"{name} did not come back within {self.timeout:.0f}s") from None
+                time.sleep(0.5)
+            except ray.exceptions.ActorDiedError as e:
+                raise ComponentDead(f"{name} died and is out of restarts (runtime.max_restarts)") from e
+            except ray.exceptions.GetTimeoutError:
+                raise ComponentError(f"{name}.stats did not answer within {self.timeout:.0f}s") from None
+
+    def note_incarnations(self) -> None:
+        self.incarnations = {name: self.stat(name)["incarnation"] for name in self.actors()}
+
+    def recover(self) -> None:
+        """After a component loss: wait until Ray has restarted every actor, give a restarted
+        generator the last published weights, and raise TrainerLost if the trainer restarted.
+        An actor out of restarts raises ComponentError."""
+        restarted = [n for n in self.actors() if self.ping(n)["incarnation"] != self.incarnations.get(n)]
+        self.stats["runtime/restarts"] += len(restarted)
+        self.note_incarnations()
+        if "trainer" in restarted:
+            raise TrainerLost("the trainer actor was restarted")
+        if "generator" in restarted:
+            wait(self.generator.set_threads.remote(self.threads[1]), self.timeout, "generator.set_threads")
+            if self.weights_ref is not None:
+                wait(self.generator.set_weights.remote(self.version, self.weights_ref, time.time()), self.timeout,
+                     "generator.set_weights")
+
+    def call(self, make_ref, what: str):
+        """An idempotent call (evaluation, stats): retried once after recovering a lost component."""
+        try:
+            return wait(make_ref(), self.timeout, what)
+        except ComponentError as e:
+            if not is_component_loss(e):
+                raise
+            self.recover()
+            return wait(make_ref(), self.timeout, what)
 
 
-def evaluate(c: Components, max_tokens: int) -> float:
-    """Greedy held-out accuracy under the newest published weights."""
-    prompts = [tuple(c.tokenizer.encode(p.prompt)) for p in c.task.heldout]
-    version, outs = wait(c.generator.greedy.remote(prompts, max_tokens), c.timeout, "generator.greedy")
-    return sum(is_correct(p, t, c.tokenizer) for p, t in zip(c.task.heldout, outs)) / len(c.task.heldout)
-
-
-def sft_datums(c: Components, step: int, batch_size: int):
-    from lockstep.engine.types import Datum
-
-    eos = c.tokenizer.eos_token_id
-    data = []
-    for p in c.task.problems(step, batch_size, stream="sft"):
-        prompt, answer = c.tokenizer.encode(p.prompt), c.tokenizer.encode(p.answer) + [eos]
-        data.append(Datum.from_tokens(prompt + answer, weights=[0.0] * (len(prompt) - 1) + [1.0] * len(answer)))
-    return data
-
-
-def make_groups(c: Components, batch_index: int, count: int) -> list[RolloutGroup]:
-    problems = c.task.problems(batch_index, count, stream="rl")
-    return [RolloutGroup(f"rl-{batch_index}-{i}", tuple(c.tokenizer.encode(p.prompt)), p)
-            for i, p in enumerate(problems)]
+def adam(stage: StageSpec) -> dict:
+    return {"learning_rate": stage.learning_rate, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "grad_clip_norm": 1.0}
 
 
 def staleness_histogram(batch, trainer_version: int) -> dict[str, int]:
@@ -113,50 +174,162 @@ def staleness_histogram(batch, trainer_version: int) -> dict[str, int]:
     return {**hist, "rollout/staleness_max": max(ages)}
 
 
-def adam(stage: StageSpec) -> dict:
-    return {"learning_rate": stage.learning_rate, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "grad_clip_norm": 1.0}
+class RLLoop:
+    """The state of one RL stage: in-flight batches, the buffer, the data cursor and the ledger.
+
+    Its position (`position()`) goes into every checkpoint; groups in flight or buffered at that
+    moment are pending in the ledger's snapshot and are replayed on resume.
+    """
+
+    def __init__(self, c: Components, stage: StageSpec, index: int, dataset, ledger: Ledger, *,
+                 seed: int, position: dict | None = None):
+        self.c, self.stage, self.index, self.dataset, self.ledger, self.seed = c, stage, index, dataset, ledger, seed
+        pos = position or {}
+        self.step, self.next_batch, self.next_index = pos.get("step", 0), pos.get("next_batch", 0), pos.get("next_index", 0)
+        self.calls = pos.get("calls", 0)
+        self.in_flight: collections.deque = collections.deque()
+        self.buffer: list[RolloutGroup] = []
+        self.spare: list[RolloutGroup] = []
+        self.refills = 0
+        self._batches: dict[int, list] = {}
+
+    def position(self) -> dict:
+        return {"step": self.step, "next_batch": self.next_batch, "next_index": self.next_index, "calls": self.calls}
+
+    # -- Generate ----------------------------------------------------------------------------
+    def builder(self, gid: str):
+        stage, batch, i = (int(x) for x in gid.split("."))
+        assert stage == self.index, gid
+        if batch not in self._batches:
+            self._batches = {k: v for k, v in self._batches.items() if k >= batch - 8}
+            self._batches[batch] = list(self.dataset.get_batch(batch))
+        return self._batches[batch][i]
+
+    def _next_ids(self, count: int) -> list[str]:
+        ids = [g for g in self.ledger.replay if g.startswith(f"{self.index}.")][:count]
+        while len(ids) < count:
+            ids.append(f"{self.index}.{self.next_batch}.{self.next_index}")
+            self.next_index += 1
+            if self.next_index == self.stage.prompts_per_step:
+                self.next_batch, self.next_index = self.next_batch + 1, 0
+        return ids
+
+    def fill(self) -> None:
+        """Keep max_staleness + 1 rollout batches in flight."""
+        s = self.stage
+        while len(self.in_flight) < s.max_staleness + 1:
+            ids = self._next_ids(s.prompts_per_step)
+            self.ledger.issue(ids)
+            req = RolloutRequest(tuple(ids), tuple(self.builder(g) for g in ids), s.group_size, s.temperature,
+                                 self.seed * 1_000_003 + self.calls)
+            self.calls += 1
+            self.in_flight.append((self.c.rollout(req), req))
+
+    # -- Reward ------------------------------------------------------------------------------
+    def collect(self) -> FilterReport | None:
+        """Wait for the oldest batch, record it in the ledger and clean it; None if a crashed
+        component lost it (its groups are queued for replay)."""
+        ref, req = self.in_flight.popleft()
+        t = time.perf_counter()
+        try:
+            groups = wait(ref, self.c.timeout, "rollout (generate + reward)")
+        except ComponentError as e:
+            if not is_component_loss(e):
+                raise
+            self.ledger.requeue(list(req.group_ids), "component_restart")
+            self.c.recover()
+            return None
+        self.c.stats["wait_s"] += time.perf_counter() - t
+        ids = [g.group_id for g in groups]
+        self.ledger.generated(ids, max(g.generated_at for g in groups))
+        self.ledger.rewarded(ids, max(g.rewarded_at for g in groups))
+        s = self.stage
+        report = clean(groups, trainer_version=self.c.version, max_staleness=s.max_staleness,
+                       truncation=s.truncation, truncated_reward=s.truncated_reward)
+        self._retire([g.group_id for g in report.failed], "env_failed")
+        self._stale([g.group_id for g in report.stale])
+        self.buffer.extend(report.kept)
+        self.spare.extend(report.no_signal)
+        for k, v in report.counts().items():
+            self.c.stats[k] += v
+        return report
+
+    def _retire(self, ids: list[str], reason: str) -> None:
+        if ids:
+            self.ledger.filtered(ids, reason)
+
+    def _stale(self, ids: list[str]) -> None:
+        if not ids:
+            return
+        if self.stage.stale_policy == "regenerate":
+            self.ledger.requeue(ids, "stale")
+            self.c.stats["filter/stale_regenerated"] += len(ids)
+        else:
+            self.ledger.filtered(ids, "stale")
+
+    def batch_ready(self) -> list[RolloutGroup] | None:
+        """Dynamic sampling: a full batch once enough groups with signal are buffered, or after
+        MAX_REFILL_BATCHES, completed with zero-variance groups."""
+        p = self.stage.prompts_per_step
+        self.refills += 1
+        if len(self.buffer) < p and self.refills < MAX_REFILL_BATCHES:
+            return None
+        if len(self.buffer) < p:
+            need = p - len(self.buffer)
+            self.c.stats["filter/underfilled_steps"] += 1
+            self.buffer, self.spare = self.buffer + self.spare[:need], self.spare[need:]
+        if not self.buffer:  # every group failed or went stale: keep drawing, but not forever
+            if self.refills >= 8 * MAX_REFILL_BATCHES:
+                raise ComponentError(f"no trainable group in {self.refills} rollout batches (see env/failed_groups "
+                                     "and filter/stale in metrics.jsonl)")
+            return None
+        batch, self.buffer = self.buffer[:p], self.buffer[p:]
+        self._retire([g.group_id for g in self.spare], "zero_variance")
+        self.refills, self.spare = 0, []
+        fresh = [g for g in self.buffer if not too_stale(g, self.c.version + 1, self.stage.max_staleness)]
+        kept = {g.group_id for g in fresh}
+        self._stale([g.group_id for g in self.buffer if g.group_id not in kept])  # leftovers too old next step
+        self.buffer = fresh
+        return batch
+
+    # -- Train -------------------------------------------------------------------------------
+    def train(self, batch: list[RolloutGroup]) -> dict:
+        s = self.stage
+        data, starts = to_datums(batch, estimator=s.advantage)
+        metrics = wait(self.c.trainer.train.remote(data, s.loss, adam(s), dict(s.loss_config), starts),
+                       self.c.timeout, "trainer.train")
+        self.step += 1
+        self.ledger.trained([g.group_id for g in batch], self.step)
+        return metrics
+
+    def pending_ids(self) -> list[str]:
+        """This stage's groups issued (or queued) but neither trained nor filtered."""
+        return [g for g in self.ledger.pending() if g.startswith(f"{self.index}.")]
+
+    def queues(self) -> dict:
+        return {"queue/in_flight_batches": len(self.in_flight), "queue/buffered_groups": len(self.buffer),
+                "queue/replay_groups": len(self.ledger.replay)}
 
 
-def rl_stage(c: Components, stage: StageSpec, spec: RunSpec, on_step, should_stop) -> int:
+def rl_stage(loop: RLLoop, on_step, should_stop) -> int:
     """The RL loop (see the module docstring for its contract). Returns steps taken."""
-    in_flight: collections.deque = collections.deque()
-    buffer: list[RolloutGroup] = []
-    spare: list[RolloutGroup] = []
-    next_batch, step, refills = 0, 0, 0
-    while step < stage.steps and not should_stop(step):
-        while len(in_flight) < stage.max_staleness + 1:  # keep the generator busy, within bound
-            groups = make_groups(c, next_batch, stage.prompts_per_step)
-            gen = c.generator.generate.remote(groups, stage.group_size, spec.env.max_tokens,
-                                              stage.temperature, spec.seed * 1_000_003 + next_batch)
-            in_flight.append(c.score(gen))
-            next_batch += 1
-        t_wait = time.perf_counter()
-        scored, env_failures = wait(in_flight.popleft(), c.timeout, "generate+score")
-        report = clean(scored, trainer_version=c.version, max_staleness=stage.max_staleness)
-        buffer.extend(report.kept)
-        spare.extend(report.no_signal)
-        c.stats["wait_s"] += time.perf_counter() - t_wait
-        counts = {"filter/zero_variance": report.zero_variance, "filter/truncated": report.truncated,
-                  "filter/repetitive": report.repetitive, "filter/stale": report.stale,
-                  "env/failures": env_failures}
-        for k, v in counts.items():
-            c.stats[k] += v
-        refills += 1
-        if len(buffer) < stage.prompts_per_step and refills < MAX_REFILL_BATCHES:
-            continue  # dynamic sampling: refill before training
-        if len(buffer) < stage.prompts_per_step:  # out of refills: complete with no-signal groups
-            c.stats["filter/underfilled_steps"] += 1
-            buffer.extend(spare[: stage.prompts_per_step - len(buffer)])
-        refills, spare = 0, []
-        batch, buffer = buffer[: stage.prompts_per_step], buffer[stage.prompts_per_step :]
-        fresh = [g for g in buffer if not too_stale(g, c.version + 1, stage.max_staleness)]
-        c.stats["filter/stale"] += len(buffer) - len(fresh)  # leftovers would be too old next step
-        buffer = fresh
-        data, starts = to_datums(batch, estimator=stage.advantage)
-        metrics = wait(c.trainer.train.remote(data, stage.loss, adam(stage), None, starts), c.timeout, "trainer.train")
-        c.publish()
-        step += 1
-        trained_at = c.version - 1  # the version the trainer held during this step
-        queues = {"queue/in_flight_batches": len(in_flight), "queue/buffered_groups": len(buffer)}
-        on_step(step, batch, metrics, {**counts, **queues, **staleness_histogram(batch, trained_at)})
-    return step
+    c = loop.c
+    while loop.step < loop.stage.steps and not should_stop(loop.step):
+        loop.fill()                               # Generate (+ Reward, in the env pool)
+        report = loop.collect()                   # wait for the oldest batch; ledger; clean
+        if report is None:
+            continue                              # lost with a crashed component: replayed
+        batch = loop.batch_ready()                # dynamic sampling: refill before training
+        if batch is None:
+            continue
+        try:
+            metrics = loop.train(batch)           # Train
+        except ComponentError as e:
+            if is_component_loss(e):
+                c.recover()                       # raises TrainerLost: resume from checkpoint
+            raise
+        c.publish()                               # Update: the generator swaps between decode steps
+        trained_at = c.version - 1                # the version the trainer held during this step
+        on_step(loop.step, batch, metrics, {**report.counts(), **loop.queues(),
+                                            **staleness_histogram(batch, trained_at)})
+    return loop.step

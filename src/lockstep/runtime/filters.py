@@ -2,28 +2,38 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 
 from lockstep.advantages import get_estimator
 from lockstep.runtime.types import RolloutGroup
 
+Truncation = Literal["keep", "mask", "penalize"]
+
 
 @dataclass(frozen=True)
 class FilterReport:
     kept: tuple[RolloutGroup, ...]
-    zero_variance: int
-    """Groups dropped because every sample got the same reward (no learning signal)."""
+    """Groups with a learning signal, cleaned."""
+    no_signal: tuple[RolloutGroup, ...]
+    """Zero-variance groups (every sample got the same reward): dropped, or used to complete a
+    batch when refilling runs out."""
+    stale: tuple[RolloutGroup, ...]
+    """Groups past the staleness bound (to regenerate or drop)."""
+    failed: tuple[RolloutGroup, ...]
+    """Groups with a sample whose env failed every retry."""
     truncated: int
     """Samples that hit max_tokens without stopping."""
     repetitive: int
-    """Samples flagged for degenerate repetition."""
-    stale: int
-    """Groups dropped by the staleness gate."""
-    no_signal: tuple[RolloutGroup, ...] = ()
-    """The zero-variance groups themselves, used to complete a batch when refilling runs out."""
+    """Samples flagged for degenerate repetition (counted, not removed)."""
+
+    def counts(self) -> dict[str, int]:
+        return {"filter/zero_variance": len(self.no_signal), "filter/stale": len(self.stale),
+                "filter/truncated": self.truncated, "filter/repetitive": self.repetitive,
+                "env/failed_groups": len(self.failed)}
 
 
 def is_repetitive(tokens: Sequence[int], *, ngram: int = 3, max_repeats: int = 4) -> bool:
@@ -44,35 +54,40 @@ def too_stale(group: RolloutGroup, trainer_version: int, max_staleness: int) -> 
     return trainer_version - group.version > max_staleness
 
 
-def clean(groups: Sequence[RolloutGroup], *, trainer_version: int, max_staleness: int,
-          truncated_penalty: float | None = None) -> FilterReport:
-    """Staleness gate, truncation handling and zero-variance dropping, with counts.
+def _truncation(samples, policy: Truncation, reward: float):
+    """mask: truncated samples leave the group (no advantage, no loss); penalize: their reward
+    becomes `reward`; keep: unchanged."""
+    if policy == "mask":
+        return [s for s in samples if s.stop_reason != "length"]
+    if policy == "penalize":
+        return [dataclasses.replace(s, reward=reward) if s.stop_reason == "length" else s for s in samples]
+    return list(samples)
 
-    Truncated samples keep their reward unless `truncated_penalty` is given, in which case their
-    reward becomes that value; repetitive samples are flagged (counted), not removed.
-    """
-    kept, flat, truncated, repetitive, stale = [], [], 0, 0, 0
+
+def clean(groups: Sequence[RolloutGroup], *, trainer_version: int, max_staleness: int,
+          truncation: Truncation = "keep", truncated_reward: float = 0.0) -> FilterReport:
+    """Env failures, the staleness gate, truncation and zero-variance dropping, with counts."""
+    kept, flat, stale, failed, truncated, repetitive = [], [], [], [], 0, 0
     for g in groups:
-        if too_stale(g, trainer_version, max_staleness):
-            stale += 1
+        if g.failed:
+            failed.append(g)
             continue
-        samples = []
-        for s in g.samples:
-            if s.stop_reason == "length":
-                truncated += 1
-                if truncated_penalty is not None:
-                    s = type(s)(s.tokens, s.logprobs, s.version, s.stop_reason, truncated_penalty, s.metrics)
-            repetitive += is_repetitive(s.tokens)
-            samples.append(s)
+        if too_stale(g, trainer_version, max_staleness):
+            stale.append(g)
+            continue
+        truncated += sum(s.stop_reason == "length" for s in g.samples)
+        repetitive += sum(is_repetitive(s.tokens) for s in g.samples)
+        samples = _truncation(g.samples, truncation, truncated_reward)
+        group = dataclasses.replace(g, samples=tuple(samples))
         rewards = np.array([s.reward for s in samples])
-        group = RolloutGroup(g.group_id, g.prompt, g.problem, tuple(samples))
-        (flat if np.all(rewards == rewards[0]) else kept).append(group)
-    return FilterReport(tuple(kept), len(flat), truncated, repetitive, stale, tuple(flat))
+        (kept if len(samples) >= 2 and np.any(rewards != rewards[0]) else flat).append(group)
+    return FilterReport(tuple(kept), tuple(flat), tuple(stale), tuple(failed), truncated, repetitive)
 
 
 def to_datums(groups: Sequence[RolloutGroup], *, estimator: str = "grpo"):
-    """Policy-gradient datums: prompt positions carry no advantage; sampled tokens carry the
-    sample's group-centred advantage and the sampler's exact logprobs.
+    """Policy-gradient datums: sampled tokens carry the sample's group-centred advantage, the
+    sampler's exact logprobs and weight 1; prompt and env-inserted tokens carry weight 0 and no
+    advantage.
 
     Returns (datums, sampled_from): where each datum's sampled tokens start, for the mismatch panel.
     """
@@ -81,16 +96,21 @@ def to_datums(groups: Sequence[RolloutGroup], *, estimator: str = "grpo"):
     advantage = get_estimator(estimator)
     data, sampled_from = [], []
     for g in groups:
+        if len(g.samples) < 2:
+            continue  # a masked-down group: no baseline, so no signal
         adv = advantage(np.array([s.reward for s in g.samples], dtype=np.float64))
         n = len(g.prompt)
         for s, a in zip(g.samples, adv):
             if not s.tokens:
                 continue
+            mask = np.array([s.is_sampled(i) for i in range(len(s.tokens))], np.float32)
             full = list(g.prompt) + list(s.tokens)
+            pad = np.zeros(n - 1, np.float32)
             inputs = {
                 "target_tokens": np.asarray(full[1:], np.int64),
-                "logprobs": np.asarray([0.0] * (n - 1) + list(s.logprobs), np.float32),
-                "advantages": np.asarray([0.0] * (n - 1) + [a] * len(s.tokens), np.float32),
+                "logprobs": np.concatenate([pad, np.asarray(s.logprobs, np.float32) * mask]),
+                "advantages": np.concatenate([pad, np.float32(a) * mask]),
+                "weights": np.concatenate([pad, mask]),
             }
             data.append(Datum(tuple(full[:-1]), inputs))
             sampled_from.append(n - 1)

@@ -1,4 +1,4 @@
-"""The runtime's contract: what moves between generator, env pool, buffer and trainer.
+"""The runtime's contract: what moves between generator, env pool, buffer, ledger and trainer.
 
 Plain frozen dataclasses of Python scalars and tuples, so they pickle cheaply through Ray.
 """
@@ -10,16 +10,30 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Sample:
-    """One completion of a prompt."""
+    """One episode of one env: every token after the prompt, sampled or inserted by the env."""
 
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
-    """The sampler's logprob of each token (the behaviour policy, exact)."""
+    """The sampler's logprob of each sampled token (the behaviour policy, exact); 0.0 where the
+    env inserted the token."""
     version: int
     """Oldest weights version that produced any token of this sample."""
     stop_reason: str
+    """Of the last turn: "stop" or "length" (truncated)."""
     reward: float = 0.0
+    """Sum of the episode's step rewards."""
     metrics: dict = field(default_factory=dict)
+    """The final step's env metrics (e.g. "correct")."""
+    sampled: tuple[bool, ...] = ()
+    """Per token: True where the policy sampled it; empty means every token was sampled."""
+    turns: int = 1
+
+    def is_sampled(self, i: int) -> bool:
+        return not self.sampled or self.sampled[i]
+
+    @property
+    def correct(self) -> bool:
+        return bool(self.metrics["correct"]) if "correct" in self.metrics else self.reward > 0
 
 
 @dataclass(frozen=True)
@@ -27,11 +41,31 @@ class RolloutGroup:
     """All samples of one prompt: the unit of advantage centring and of exactly-once accounting."""
 
     group_id: str
+    """Ledger key: "<stage>.<batch>.<index>" for training groups."""
     prompt: tuple[int, ...]
-    problem: object
-    """What the env needs to score (picklable), e.g. an arithmetic Problem."""
     samples: tuple[Sample, ...] = ()
+    failed: int = 0
+    """Samples whose env call raised or timed out after every retry; a group with any failure is
+    not trained (a made-up reward would bias it)."""
+    generated_at: float = 0.0
+    """Wall time the group's last sampling turn finished."""
+    rewarded_at: float = 0.0
+    """Wall time its last reward was computed."""
 
     @property
     def version(self) -> int:
         return min(s.version for s in self.samples)
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """A batch of groups for an env worker to roll out through the generator."""
+
+    group_ids: tuple[str, ...]
+    builders: tuple
+    """EnvGroupBuilders, one per group id (picklable)."""
+    group_size: int
+    temperature: float
+    seed: int
+    """Per-request sampling seeds derive from (seed, turn, request index): reproducible and
+    independent of other batches."""

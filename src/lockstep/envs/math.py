@@ -1,0 +1,283 @@
+"""`math`: problems with reference answers from a data file, graded by math-verify.
+
+Rows are read from `env.path` (jsonl or parquet, `problem`/`question` and `answer`/`solution`).
+The held-out set is `env.test_path`, or else the last `env.num_heldout` rows of `env.path`; either
+way no held-out problem reaches a training batch. An episode is one turn: the prompt is
+`env.prompt_template` with the problem in it (optionally wrapped in the tokenizer's chat template),
+and the reward is 1 when math-verify finds the completion equal to the reference answer.
+
+math-verify bounds its work with `signal.alarm`, which only works in a process's main thread, and
+envs run inside Ray async actors off the main thread. So grading runs in a one-worker spawn
+process pool per process (`grading_pool`), where `grade` runs on the worker's main thread and its
+timeouts hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import threading
+import warnings
+from collections.abc import Mapping
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+from lockstep.envs.rows import EpochBatches, read_rows, sft_from_file
+from lockstep.envs.types import DataReport, EnvError, Observation, SFTExample, StepResult
+
+PARSE_TIMEOUT_S = 3
+"""math-verify's bound on parsing one answer (seconds, an int: it is a `signal.alarm`)."""
+VERIFY_TIMEOUT_S = 3
+"""math-verify's bound on one gold/prediction comparison; a grade makes at most a few, so a
+pathological completion costs well under the env step deadline."""
+
+FIELDS = (("problem", "question"), ("answer", "solution"))
+"""Accepted column names of a math data file, first name wins."""
+
+
+# ---------------------------------------------------------------- prompts (shared with reasoning_gym)
+
+
+def _token_ids(out) -> tuple[int, ...]:
+    """A flat id tuple from `apply_chat_template(tokenize=True)`: transformers 5 returns a
+    BatchEncoding (a Mapping with `input_ids`), older versions a list."""
+    if isinstance(out, Mapping):
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if len(out) > 0 and isinstance(out[0], (list, tuple)):
+        assert len(out) == 1, "one conversation in, one id list out"
+        out = out[0]
+    return tuple(int(t) for t in out)
+
+
+def render_prompt(tokenizer, text: str, *, template: str, chat: bool) -> tuple[int, ...]:
+    """Prompt tokens for a problem: `template` with {question} filled, as a user message in the
+    tokenizer's chat template (with the assistant turn opened) when `chat`, else plainly encoded."""
+    content = template.format(question=text)
+    if not chat:
+        return tuple(tokenizer.encode(content))
+    out = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                        tokenize=True)
+    return _token_ids(out)
+
+
+def check_prompt_settings(tokenizer, *, template: str, chat: bool) -> None:
+    """Fail at suite construction, not mid-run, on a template or tokenizer that cannot render."""
+    try:
+        template.format(question="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise EnvError(f"env.prompt_template: {template!r} cannot be filled with only {{question}} "
+                       f"({type(e).__name__}: {e}); write literal braces as {{{{ and }}}}") from None
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise EnvError("env.chat_template is true but the model's tokenizer has no chat template; "
+                       "set env.chat_template = false or use a tokenizer that has one")
+
+
+# ---------------------------------------------------------------- grading (runs in the pool's worker)
+
+
+@lru_cache(maxsize=4096)
+def _parse_gold(answer: str) -> list:
+    from math_verify import parse
+
+    # A bare "0.5" or "\text{Monday}" only parses as LaTeX inside $...$ (math-verify's advice for
+    # gold answers); a full solution with $ or \boxed is parsed as it is.
+    if "$" not in answer and "\\boxed" not in answer:
+        gold = parse(f"${answer}$", parsing_timeout=PARSE_TIMEOUT_S)
+        if gold:
+            return gold
+    return parse(answer, parsing_timeout=PARSE_TIMEOUT_S)
+
+
+def grade(gold_answer: str, completion: str) -> bool:
+    """Whether `completion` states `gold_answer`, by math-verify. Must run on a main thread.
+
+    Raises ValueError when the gold answer itself cannot be parsed: that problem cannot be graded,
+    and scoring every sample 0 would hide it.
+    """
+    from math_verify import parse, verify
+
+    gold = _parse_gold(gold_answer)
+    if not gold:
+        raise ValueError(f"math-verify cannot parse the reference answer {gold_answer!r}")
+    prediction = parse(completion, parsing_timeout=PARSE_TIMEOUT_S)
+    return bool(verify(gold, prediction, timeout_seconds=VERIFY_TIMEOUT_S))
+
+
+_POOL: ProcessPoolExecutor | None = None
+_POOL_PID = 0
+_POOL_LOCK = threading.Lock()
+
+
+def grading_pool() -> ProcessPoolExecutor:
+    """This process's grading pool (one spawned worker), created on first use; a forked child
+    makes its own rather than sharing its parent's."""
+    global _POOL, _POOL_PID
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_PID != os.getpid():
+            _POOL = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+            _POOL_PID = os.getpid()
+        return _POOL
+
+
+def _discard_pool(pool: ProcessPoolExecutor) -> None:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is pool:
+            _POOL = None
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def grade_async(gold_answer: str, completion: str) -> bool:
+    """`grade` in the grading pool; its exceptions propagate (the runtime retries the step)."""
+    pool = grading_pool()
+    try:
+        return await asyncio.get_running_loop().run_in_executor(pool, grade, gold_answer, completion)
+    except BrokenProcessPool:
+        # A dead worker (killed, out of memory) breaks the pool for good: drop it so that the
+        # retry of this step gets a fresh one.
+        _discard_pool(pool)
+        raise
+
+
+# ---------------------------------------------------------------- env, builders, suite
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    answer: str
+    """The reference answer (or a full solution with a \\boxed answer)."""
+
+
+class MathEnv:
+    """One single-turn episode: the prompt, one completion, reward 1 when it is correct."""
+
+    def __init__(self, prompt: tuple[int, ...], answer: str, tokenizer, *, max_tokens: int):
+        self.prompt, self.answer, self.tokenizer, self.max_tokens = prompt, answer, tokenizer, max_tokens
+
+    async def initial_observation(self) -> Observation:
+        return Observation(self.prompt, None, self.max_tokens)
+
+    async def step(self, action: Sequence[int]) -> StepResult:
+        completion = self.tokenizer.decode(list(action), skip_special_tokens=True)
+        reward = 1.0 if await grade_async(self.answer, completion) else 0.0
+        return StepResult(reward, True, metrics={"correct": reward})
+
+    def snapshot(self) -> None:
+        return None  # single turn: there is no state between steps
+
+    def restore(self, snapshot: None) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class MathGroupBuilder:
+    group_id: str
+    question: str
+    answer: str
+    prompt: tuple[int, ...]
+    """The rendered prompt tokens (template and chat template already applied)."""
+    max_tokens: int
+
+    def make_envs(self, group_size: int, tokenizer) -> list[MathEnv]:
+        return [MathEnv(self.prompt, self.answer, tokenizer, max_tokens=self.max_tokens) for _ in range(group_size)]
+
+
+class MathTrainBatches:
+    """Batches of training problems, a fresh shuffle each epoch."""
+
+    def __init__(self, suite: "MathSuite", batch_size: int):
+        self.suite = suite
+        self.batches = EpochBatches(len(suite.problems), batch_size, suite.seed)
+
+    def get_batch(self, index: int) -> list[MathGroupBuilder]:
+        s = self.suite
+        return [s.builder(f"math-{index}-{j}", s.problems[k]) for j, k in enumerate(self.batches.indices(index))]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class MathSolvedBatches:
+    """Supervised examples from the training rows: the prompt, then the reference answer and EOS."""
+
+    def __init__(self, suite: "MathSuite", batch_size: int):
+        self.suite = suite
+        self.batches = EpochBatches(len(suite.problems), batch_size, suite.seed)
+
+    def get_batch(self, index: int) -> list[SFTExample]:
+        s, eos = self.suite, self.suite.tokenizer.eos_token_id
+        return [SFTExample(s.render(p.question), tuple(s.tokenizer.encode(p.answer)) + (eos,))
+                for p in (s.problems[k] for k in self.batches.indices(index))]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class MathSuite:
+    name = "math"
+
+    def __init__(self, tokenizer, *, path: str, test_path: str = "", num_heldout: int, seed: int,
+                 prompt_template: str, chat_template: bool, max_tokens: int):
+        check_prompt_settings(tokenizer, template=prompt_template, chat=chat_template)
+        self.tokenizer, self.seed, self.max_tokens = tokenizer, seed, max_tokens
+        self.prompt_template, self.chat_template = prompt_template, chat_template
+        self._reports: dict[str, DataReport] = {}
+        rows = self._read(path)
+        if test_path:
+            heldout = self._read(test_path)
+        elif len(rows) <= num_heldout:
+            raise EnvError(f"{path}: {len(rows)} usable rows, but env.num_heldout = {num_heldout} are held out "
+                           f"from its end, which leaves none to train on; lower env.num_heldout or give the "
+                           f"held-out rows in env.test_path")
+        else:
+            rows, heldout = rows[:-num_heldout], rows[-num_heldout:]
+        self.heldout_problems = [Problem(str(r["problem"]), str(r["answer"])) for r in heldout]
+        held = {p.question for p in self.heldout_problems}
+        train = [Problem(str(r["problem"]), str(r["answer"])) for r in rows]
+        self.problems = [p for p in train if p.question not in held]
+        if len(self.problems) < len(train):
+            warnings.warn(f"{path}: {len(train) - len(self.problems)} training rows repeat a held-out problem; "
+                          f"they are left out of training", stacklevel=2)
+        if not self.problems:
+            raise EnvError(f"{path}: every training problem is also held out ({test_path or 'the end of path'})")
+
+    def _read(self, path: str) -> list[dict]:
+        rows, self._reports[path] = read_rows(path, FIELDS)
+        return rows
+
+    def render(self, question: str) -> tuple[int, ...]:
+        return render_prompt(self.tokenizer, question, template=self.prompt_template, chat=self.chat_template)
+
+    def builder(self, group_id: str, problem: Problem) -> MathGroupBuilder:
+        return MathGroupBuilder(group_id, problem.question, problem.answer, self.render(problem.question),
+                                self.max_tokens)
+
+    def train(self, batch_size: int) -> MathTrainBatches:
+        return MathTrainBatches(self, batch_size)
+
+    def heldout(self) -> list[MathGroupBuilder]:
+        return [self.builder(f"heldout-{k}", p) for k, p in enumerate(self.heldout_problems)]
+
+    def sft(self, batch_size: int, path: str = ""):
+        if not path:
+            return MathSolvedBatches(self, batch_size)
+        dataset, self._reports[path] = sft_from_file(path, self.tokenizer, batch_size=batch_size, seed=self.seed,
+                                                     render_prompt=self.render)
+        return dataset
+
+    @property
+    def data_reports(self) -> dict[str, DataReport]:
+        return dict(self._reports)
+
+
+def make_suite(spec, tokenizer, seed: int) -> MathSuite:
+    return MathSuite(tokenizer, path=spec.path, test_path=spec.test_path, num_heldout=spec.num_heldout, seed=seed,
+                     prompt_template=spec.prompt_template, chat_template=spec.chat_template,
+                     max_tokens=spec.max_tokens)

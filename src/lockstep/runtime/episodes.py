@@ -1,0 +1,152 @@
+"""Running episodes: env turns interleaved with batched sampling, for one rollout request.
+
+Every turn, the observations of all live episodes are gathered into one sampling call (episodes
+of one group that see the same context share one request, so its prefill is shared), then every
+episode steps its env with the sampled action. An episode's tokens after the prompt are one
+sequence: sampled tokens carry their exact logprobs and versions, env-inserted tokens are marked
+unsampled (no loss on them). Env calls have a deadline and are retried, from a snapshot when the
+env can fork; an episode whose env keeps failing is marked failed, and its group is not trained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from typing import Awaitable, Callable, Sequence
+
+from lockstep.envs.types import ForkableEnv, Observation, StepResult
+from lockstep.runtime.types import RolloutGroup, RolloutRequest, Sample
+
+
+def request_seed(seed: int, turn: int, index: int) -> int:
+    """A sampling seed per (call, turn, request): distinct streams, no overlap between calls."""
+    digest = hashlib.blake2b(f"{seed}:{turn}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+class Episode:
+    def __init__(self, env):
+        self.env = env
+        self.prompt: tuple[int, ...] = ()
+        self.obs: Observation | None = None
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.sampled: list[bool] = []
+        self.version: int | None = None
+        self.reward, self.metrics, self.turns = 0.0, {}, 0
+        self.stop_reason, self.done, self.failed = "stop", False, False
+
+    @property
+    def live(self) -> bool:
+        return not (self.done or self.failed)
+
+    def take(self, seq) -> None:
+        """Record a sampled action (an engine SampledSequence)."""
+        self.tokens += seq.tokens
+        self.logprobs += seq.logprobs
+        self.sampled += [True] * len(seq.tokens)
+        self.version = seq.policy_version if self.version is None else min(self.version, seq.policy_version)
+        self.stop_reason, self.turns = seq.stop_reason, self.turns + 1
+
+    def advance(self, result: StepResult, action: Sequence[int]) -> None:
+        self.reward += float(result.reward)
+        self.metrics = dict(result.metrics)
+        if result.episode_done:
+            self.done = True
+            return
+        nxt = result.next_observation
+        context = self.obs.tokens + tuple(action)
+        if nxt is None or tuple(nxt.tokens[: len(context)]) != context:
+            raise ValueError("a multi-turn env's next observation must extend the previous context and action")
+        inserted = nxt.tokens[len(context):]
+        self.tokens += inserted
+        self.logprobs += [0.0] * len(inserted)
+        self.sampled += [False] * len(inserted)
+        self.obs = nxt
+
+    def sample(self) -> Sample:
+        return Sample(tuple(self.tokens), tuple(self.logprobs), self.version or 0, self.stop_reason, self.reward,
+                      self.metrics, () if all(self.sampled) else tuple(self.sampled), self.turns)
+
+
+async def _call(make_call: Callable[[], Awaitable], env, *, retries: int, timeout_s: float):
+    """An env call with a deadline, retried from the env's snapshot when it can fork."""
+    snap = env.snapshot() if isinstance(env, ForkableEnv) else None
+    for attempt in range(retries + 1):
+        try:
+            return await asyncio.wait_for(make_call(), timeout_s)
+        except Exception:  # noqa: BLE001 - any env failure is retried, then counted, never fatal
+            if snap is not None:
+                env.restore(snap)
+    raise _EnvFailed
+
+
+class _EnvFailed(Exception):
+    pass
+
+
+async def _start(ep: Episode, **kw) -> None:
+    try:
+        ep.obs = await _call(ep.env.initial_observation, ep.env, **kw)
+        ep.prompt = tuple(ep.obs.tokens)
+    except _EnvFailed:
+        ep.failed = True
+
+
+async def _step(ep: Episode, action: tuple[int, ...], **kw) -> None:
+    try:
+        result = await _call(lambda: ep.env.step(list(action)), ep.env, **kw)
+        ep.advance(result, action)
+    except (_EnvFailed, ValueError):
+        ep.failed = True
+
+
+def _requests(groups: list[list[Episode]], turn: int, base_seed: int, temperature: float):
+    """One SampleRequest per distinct observation per group; returns (requests, episodes per request)."""
+    from lockstep.engine.types import SampleRequest, SamplingParams
+
+    requests, owners = [], []
+    for episodes in groups:
+        by_obs: dict[tuple, list[Episode]] = {}
+        for ep in episodes:
+            if ep.live:
+                by_obs.setdefault((tuple(ep.obs.tokens), ep.obs.stop, ep.obs.max_tokens), []).append(ep)
+        for eps in by_obs.values():
+            obs = eps[0].obs
+            params = SamplingParams(max_tokens=obs.max_tokens, temperature=temperature, stop=obs.stop,
+                                    seed=request_seed(base_seed, turn, len(requests)))
+            requests.append(SampleRequest(tuple(obs.tokens), params, num_samples=len(eps)))
+            owners.append(eps)
+    return requests, owners
+
+
+async def run_episodes(request: RolloutRequest, tokenizer, sample: Callable, *, retries: int,
+                       timeout_s: float) -> tuple[list[RolloutGroup], float]:
+    """Roll out every group of `request`; `sample(requests)` is the generator. Returns the groups
+    and the seconds spent in env calls (not waiting for the generator)."""
+    kw = {"retries": retries, "timeout_s": timeout_s}
+    groups = [[Episode(env) for env in b.make_envs(request.group_size, tokenizer)] for b in request.builders]
+    flat = [ep for g in groups for ep in g]
+    env_s = time.perf_counter()
+    await asyncio.gather(*(_start(ep, **kw) for ep in flat))
+    env_s = time.perf_counter() - env_s
+    turn, generated_at = 0, time.time()
+    while any(ep.live for ep in flat):
+        requests, owners = _requests(groups, turn, request.seed, request.temperature)
+        results = await sample(requests)
+        generated_at = time.time()
+        stepping = []
+        for eps, result in zip(owners, results):
+            for ep, seq in zip(eps, result.sequences):
+                ep.take(seq)
+                stepping.append(_step(ep, seq.tokens, **kw))
+        t = time.perf_counter()
+        await asyncio.gather(*stepping)
+        env_s += time.perf_counter() - t
+        turn += 1
+    rewarded_at = time.time()
+    out = [RolloutGroup(gid, next((ep.prompt for ep in eps if ep.prompt), ()), tuple(ep.sample() for ep in eps), sum(ep.failed for ep in eps),
+                        generated_at, rewarded_at)
+           for gid, eps in zip(request.group_ids, groups)]
+    return out, env_s
