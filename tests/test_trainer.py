@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lockstep.engine.trainer import Trainer
-from lockstep.engine.types import AdamParams, Datum, EngineError
+from lockstep.engine.types import AdamParams, Datum
 
 
 @pytest.fixture()

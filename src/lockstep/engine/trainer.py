@@ -19,6 +19,7 @@ from lockstep.engine import state as state_mod
 from lockstep.engine.batching import Batch, make_batch
 from lockstep.engine.loading import load_model
 from lockstep.engine.model import InvariantLM
+from lockstep.engine.prefix import plan_prefixes, shared_prefix_logsoftmax
 from lockstep.engine.types import AdamParams, Datum, EngineError, ForwardBackwardOutput, LoraSpec
 from lockstep.losses import LossInputs, compute_loss
 
@@ -37,6 +38,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=1e-4, foreach=False)
         self.step = 0
         self.data_position: dict | int | None = None
+        self.share_prefixes = True
+        """Run a shared prompt's forward once per group (same logprobs, fewer rows)."""
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, lora: LoraSpec | None = None) -> "Trainer":
@@ -53,16 +56,26 @@ class Trainer:
         return trainer
 
     # -- forward -----------------------------------------------------------------------------
-    def _logprobs(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def _logprobs(self, data: Sequence[Datum], batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """Learner log p(target) at every valid position, flattened over datums, and the mean
-        entropy of the learner's distribution where the loss applies (weights > 0)."""
-        hidden = self.model.hidden_states(batch.tokens_BT)
-        lp_BT, entropy_BT = self.model.logprobs_and_entropy(hidden, batch.targets_BT)
-        entropy_T = entropy_BT[batch.valid_BT]
+        entropy of the learner's distribution where the loss applies (weights > 0).
+
+        Datums that share a prompt (a GRPO group) share its forward (engine/prefix.py): the same
+        bits, fewer rows."""
+        inputs = [tuple(d.model_input) for d in data]
+        plan = plan_prefixes(inputs) if self.share_prefixes else None
+        if plan is None:
+            lp_BT, entropy_BT = self.model.logprobs_and_entropy(self.model.hidden_states(batch.tokens_BT), batch.targets_BT)
+            lp_T, entropy_T = lp_BT[batch.valid_BT], entropy_BT[batch.valid_BT]
+        else:
+            lsm_TV = shared_prefix_logsoftmax(self.model, inputs, plan)
+            lp_T = lsm_TV.gather(-1, batch.targets_BT[batch.valid_BT].unsqueeze(-1)).squeeze(-1)
+            with torch.no_grad():
+                entropy_T = -(lsm_TV.exp() * lsm_TV).sum(-1)
         if "weights" in batch.floats:
             entropy_T = entropy_T[batch.floats["weights"] > 0]
         metrics = {"entropy:mean": float(entropy_T.mean())} if entropy_T.numel() else {}
-        return lp_BT[batch.valid_BT], metrics
+        return lp_T, metrics
 
     def _loss(self, batch: Batch, lp_T: torch.Tensor, loss_fn: str, config: Mapping[str, float]):
         f = batch.floats
@@ -96,7 +109,7 @@ class Trainer:
         """Logprobs and loss without touching gradients."""
         batch = make_batch(data, self.vocab_size)
         with torch.no_grad():
-            lp_T, entropy = self._logprobs(batch)
+            lp_T, entropy = self._logprobs(data, batch)
             elementwise, metrics = self._loss(batch, lp_T, loss_fn, loss_fn_config)
         return self._outputs(batch, lp_T, elementwise, {**metrics, **entropy}, elementwise.sum())
 
@@ -104,7 +117,7 @@ class Trainer:
         """Accumulate gradients of sum(elementwise loss); returns per-datum logprobs and metrics."""
         batch = make_batch(data, self.vocab_size)
         with torch.enable_grad():
-            lp_T, entropy = self._logprobs(batch)
+            lp_T, entropy = self._logprobs(data, batch)
             elementwise, metrics = self._loss(batch, lp_T, loss_fn, loss_fn_config)
             metrics = {**metrics, **entropy}
             loss = elementwise.sum()

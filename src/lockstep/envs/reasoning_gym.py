@@ -18,9 +18,10 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from lockstep.envs.math import check_prompt_settings, render_prompt
+from lockstep.envs.prompts import check_prompt_settings, render_prompt
 from lockstep.envs.rows import EpochBatches, sft_from_file
 from lockstep.envs.types import DataReport, EnvError, Observation, SFTExample, StepResult
+
 
 @dataclass(frozen=True)
 class TaskRef:

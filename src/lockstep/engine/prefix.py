@@ -1,0 +1,111 @@
+"""Shared-prefix training: a group's common prompt goes through the forward once.
+
+The datums of a GRPO step come in groups that share a prompt (8 completions of one problem). The
+plain forward recomputes the prompt for each of them; here the trainer does what the sampler
+does: it runs each shared prefix once into a KV cache (with autograd), copies the cache rows to
+the datums that share it, and runs only the suffixes. Every token's hidden state is the same
+computation as in the plain forward (rows and key lengths are invariant, see invariant.py), so the
+logprobs are bit for bit the same; gradients reach the prefix through the copied cache rows.
+
+`plan_prefixes` decides: datums are sorted, and neighbours whose common prefix is at least
+MIN_SHARED tokens form a group (each datum keeps at least one suffix token). It returns None when
+sharing would save less than MIN_SAVING of the rows, and the plain forward runs instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+MIN_SHARED = 4
+"""Shortest prefix worth sharing (tokens)."""
+MIN_SAVING = 0.2
+"""Fraction of forward rows that sharing must save to be used."""
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    prefixes: tuple[tuple[int, ...], ...]
+    """Distinct shared prefixes."""
+    owner: tuple[int, ...]
+    """Per datum: index of its prefix, or len(prefixes) for none (an empty cache row)."""
+    shared: tuple[int, ...]
+    """Per datum: shared prefix length (0 for none)."""
+
+
+def _lcp(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _groups(inputs: Sequence[tuple[int, ...]]) -> list[tuple[list[int], int]]:
+    """Greedy groups of sorted neighbours: (datum indices, shared length)."""
+    order = sorted(range(len(inputs)), key=lambda i: inputs[i])
+    groups: list[tuple[list[int], int]] = []
+    members, shared = [order[0]], len(inputs[order[0]]) - 1
+    for i in order[1:]:
+        common = _lcp(inputs[members[0]], inputs[i], min(shared, len(inputs[i]) - 1))
+        if common >= MIN_SHARED:
+            members, shared = members + [i], common
+        else:
+            groups.append((members, shared))
+            members, shared = [i], len(inputs[i]) - 1
+    groups.append((members, shared))
+    return groups
+
+
+def plan_prefixes(inputs: Sequence[tuple[int, ...]]) -> PrefixPlan | None:
+    if len(inputs) < 2:
+        return None
+    prefixes, owner, shared = [], [0] * len(inputs), [0] * len(inputs)
+    for members, n in _groups(inputs):
+        if len(members) < 2 or n < MIN_SHARED:
+            continue
+        for i in members:
+            owner[i], shared[i] = len(prefixes) + 1, n  # provisional (+1): 0 means none for now
+        prefixes.append(tuple(inputs[members[0]][:n]))
+    plain = sum(len(x) for x in inputs)
+    saved = sum(shared) - sum(len(p) for p in prefixes)
+    if not prefixes or saved < MIN_SAVING * plain:
+        return None
+    none = len(prefixes)
+    return PrefixPlan(tuple(prefixes), tuple(o - 1 if o else none for o in owner), tuple(shared))
+
+
+def _padded(seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
+    lens = [len(s) for s in seqs]
+    tokens = torch.zeros(len(seqs), max(lens), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tokens[i, : lens[i]] = torch.tensor(s, dtype=torch.long)
+    return tokens, lens
+
+
+def shared_prefix_logsoftmax(model, inputs: Sequence[tuple[int, ...]], plan: PrefixPlan):
+    """The log-softmax row of every input position, datums concatenated in order, via one forward
+    of each shared prefix and one of the suffixes. `model` is an InvariantLM; returns (T, V)."""
+    from lockstep.engine import invariant as inv
+    from lockstep.engine.model import KVCache
+
+    pre_tokens, _ = _padded(plan.prefixes)
+    suf_tokens, suf_lens = _padded([x[n:] for x, n in zip(inputs, plan.shared)])
+    P, Tp = pre_tokens.shape
+    B, S = suf_tokens.shape
+    capacity = max(plan.shared) + S
+    cache = model.new_cache(P, capacity)
+    pre_hidden = model.hidden_states(pre_tokens, torch.arange(Tp).expand(P, Tp), cache)
+    empty = model.new_cache(1, capacity)  # row P: the datums with no shared prefix
+    cache = KVCache([torch.cat([k, e]) for k, e in zip(cache.k, empty.k)],
+                    [torch.cat([v, e]) for v, e in zip(cache.v1, empty.v1)])
+    rows = cache.select(torch.tensor(plan.owner))
+    positions = torch.tensor(plan.shared).unsqueeze(1) + torch.arange(S)
+    suf_hidden = model.hidden_states(suf_tokens, positions, rows)
+    hidden = torch.cat([pre_hidden.reshape(P * Tp, -1), suf_hidden.reshape(B * S, -1)])
+    index = []
+    for d, (n, o) in enumerate(zip(plan.shared, plan.owner)):
+        index += range(o * Tp, o * Tp + n)
+        index += range(P * Tp + d * S, P * Tp + d * S + suf_lens[d])
+    return inv.log_softmax(model.logits(hidden.index_select(0, torch.tensor(index))))
