@@ -120,7 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may follow options (`run cfg.toml --run-dir D rl.steps=5`), which argparse alone
+    # cannot interleave with positionals.
+    if extra and args.command == "run" and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from lockstep.config import ConfigError
     from lockstep.engine.types import EngineError
 

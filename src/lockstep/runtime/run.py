@@ -19,6 +19,7 @@ from lockstep.config import ConfigError, RunSpec, to_dict
 from lockstep.config.types import StageSpec
 from lockstep.monitor.metrics import MetricsLogger
 from lockstep.runtime import controller as ctl
+from lockstep.runtime.balancer import ThreadBalancer
 from lockstep.runtime.ledger import Ledger
 from lockstep.runtime.plan import Plan, make_plan
 from lockstep.runtime.types import RolloutRequest
@@ -218,19 +219,19 @@ class Run:
         self.metrics.log(self.pos["global_step"], {"placement/trainer_threads": trainer,
                                                    "placement/generator_threads": generator})
 
-    def rebalance(self, since: float, busy0: tuple[float, float]):
-        """Give the stage that was busier over the last window every core, the other a quarter.
-
-        Measured here (2 cores, async GRPO): the trainer is the bottleneck (~75% busy against the
-        generator's ~40%), and 2+1 threads run 25 steps in 13.6 s against 17.7 s for 1+1; a
-        middle "split evenly" band made the allocation oscillate, so there is none.
-        """
+    def rebalance(self, balancer: ThreadBalancer, window: dict) -> None:
+        """End a window of REBALANCE_EVERY steps: log how busy each stage was and the step rate,
+        and switch to the thread plan the balancer picks from the measured rates."""
         now, busy = time.time(), self._busy()
-        gen, tr = (busy[0] - busy0[0]) / (now - since), (busy[1] - busy0[1]) / (now - since)
-        cpus, minor = self.plan.num_cpus, max(1, self.plan.num_cpus // 4)
-        self.set_threads(*((cpus, minor) if tr >= gen else (minor, cpus)))
-        self.metrics.log(self.pos["global_step"], {"placement/generator_busy": gen, "placement/trainer_busy": tr})
-        return now, busy
+        secs = now - window["since"]
+        gen, tr = (busy[0] - window["busy"][0]) / secs, (busy[1] - window["busy"][1]) / secs
+        rate = REBALANCE_EVERY / secs
+        self.metrics.log(self.pos["global_step"], {"placement/generator_busy": gen, "placement/trainer_busy": tr,
+                                                   "placement/steps_per_s": rate})
+        plan = balancer.next_plan(rate)
+        if plan != self.c.threads:
+            self.set_threads(*plan)
+        window.update(since=time.time(), busy=self._busy())
 
     # -- stages ------------------------------------------------------------------------------
     def sft(self, stage: StageSpec, index: int) -> float:
@@ -282,16 +283,18 @@ class Run:
 
     def rl(self, stage: StageSpec, index: int) -> float:
         cpus = self.plan.num_cpus
+        balancer = ThreadBalancer(cpus)
         if stage.max_staleness == 0:  # synchronous: the stages take turns, each may use every core
             self.set_threads(cpus, cpus)
-        else:  # concurrent: split the cores so they do not oversubscribe
-            self.set_threads(max(1, cpus // 2), max(1, cpus - cpus // 2))
+        else:  # concurrent: the plan is chosen by measured step rate
+            self.set_threads(*balancer.current)
         started = time.time() - self.pos["stage_elapsed"]
         busy0 = self._busy()
+        window = {"since": time.time(), "busy": busy0}
         self.loop = ctl.RLLoop(self.c, stage, index, self.data[index], self.ledger, seed=self.spec.seed,
                                position=self.pos["rl"])
         first = self.loop.step
-        state = {"acc": self.pos["evals"][-1]["accuracy"], "last": time.perf_counter(), "window": (time.time(), busy0)}
+        state = {"acc": self.pos["evals"][-1]["accuracy"], "last": time.perf_counter()}
 
         def on_step(step, batch, metrics, counts):
             now = time.perf_counter()
@@ -303,7 +306,7 @@ class Run:
             if step % stage.eval_every == 0:
                 state["acc"] = self.evaluate("rl")
             if stage.max_staleness > 0 and step % REBALANCE_EVERY == 0:
-                state["window"] = self.rebalance(*state["window"])
+                self.rebalance(balancer, window)
             self.progress(self.pos["global_step"], f"rl {step}/{stage.steps}", state["acc"], reward=record["rollout/reward_mean"])
             self.maybe_checkpoint()
 
