@@ -36,6 +36,11 @@ def _cmd_check_consistency(args) -> int:
     return 0 if ok else 1
 
 
+PREEMPTED_EXIT = 75
+"""Exit status of a run stopped by SIGTERM after checkpointing (EX_TEMPFAIL); the job service
+requeues such a job and resumes it later."""
+
+
 def _load_spec(args):
     import dataclasses
 
@@ -88,13 +93,165 @@ def _cmd_run(args) -> int:
             info = f"acc {acc:.2f}" + (f"  reward {reward:.2f}" if reward is not None else "")
             bar.update(task, completed=step, description=what, info=info)
 
-        summary = run(spec, Path(run_dir), progress, resume=bool(args.resume))
+        import signal
+
+        from lockstep.runtime.run import PREEMPT, Preempted
+
+        signal.signal(signal.SIGTERM, lambda *_: PREEMPT.set())  # checkpoint at the next step, then stop
+        try:
+            summary = run(spec, Path(run_dir), progress, resume=bool(args.resume))
+        except Preempted as e:
+            console.print(f"preempted: {e}; continue with lockstep run --resume {run_dir}")
+            return PREEMPTED_EXIT
     console.print(
         f"accuracy: start {summary['eval_accuracy_start']:.2f} -> after SFT {summary['eval_accuracy_after_sft']:.2f}"
         f" -> final {summary['eval_accuracy_final']:.2f} in {summary['wall_seconds']:.0f}s; "
         f"report: {run_dir}/report.html"
     )
     return 0
+
+
+def _cmd_serve(args) -> int:
+    from lockstep.service.serve import default_db, default_storage, parse_models, run_api
+
+    worker = None if args.no_worker else [*(f"--model={m}" for m in args.model or ()),
+                                          *(["--ray-address", args.ray_address] if args.ray_address else [])]
+    parse_models(args.model)
+    return run_api(host=args.host, port=args.port, db=args.db or default_db(), storage=args.storage or default_storage(),
+                   max_body_mb=args.max_body_mb, worker_args=worker)
+
+
+def _cmd_worker(args) -> int:
+    from lockstep.service.serve import default_db, default_storage, parse_models, run_worker
+
+    return run_worker(db=args.db or default_db(), storage=args.storage or default_storage(),
+                      ray_address=args.ray_address or "", models=parse_models(args.model),
+                      persist_every=args.persist_every, job_slots=args.job_slots)
+
+
+def _cmd_tenants_create(args) -> int:
+    from lockstep.service.db import connect
+    from lockstep.service.serve import default_db
+    from lockstep.service.tenants import create_tenant
+    from lockstep.service.types import ServiceError
+
+    _, sessions = connect(args.db or default_db())
+    with sessions() as s:
+        try:
+            tenant, key = create_tenant(s, args.name, max_concurrent_jobs=args.max_jobs, max_models=args.max_models)
+        except ServiceError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if args.json:
+        print(json.dumps({"tenant": tenant.name, "api_key": key}))
+    else:
+        print(f"tenant {tenant.name} created; its API key (shown only now):\n{key}")
+    return 0
+
+
+def _server(args):
+    """(base URL, headers) of the job service a client command talks to."""
+    import os
+
+    base = (args.server or os.environ.get("LOCKSTEP_SERVER") or "http://127.0.0.1:8000").rstrip("/")
+    key = args.api_key or os.environ.get("LOCKSTEP_API_KEY") or os.environ.get("TINKER_API_KEY")
+    if not key:
+        raise SystemExit("error: no API key: pass --api-key or set LOCKSTEP_API_KEY (see `lockstep tenants create`)")
+    return base, {"Authorization": f"Bearer {key}"}
+
+
+def _http(method: str, url: str, headers: dict, **kw):
+    import httpx
+
+    try:
+        r = httpx.request(method, url, headers=headers, timeout=kw.pop("timeout", 30), **kw)
+    except httpx.HTTPError as e:
+        raise SystemExit(f"error: cannot reach {url}: {e}") from None
+    if r.status_code >= 400:
+        try:
+            msg = r.json().get("error", r.text)
+        except ValueError:
+            msg = r.text
+        raise SystemExit(f"error: {r.status_code}: {msg}")
+    return r
+
+
+def _cmd_submit(args) -> int:
+    from lockstep.config import load, to_dict
+
+    spec = load(args.config, args.overrides)
+    base, headers = _server(args)
+    body = {"spec": to_dict(spec), "name": args.name or (Path(args.config).stem if args.config else "default"),
+            "priority": args.priority, "max_attempts": args.max_attempts}
+    job = _http("POST", f"{base}/v1/jobs", headers, json=body).json()
+    print(json.dumps(job) if args.json else f"submitted job {job['id']} ({job['priority']}); follow it with "
+                                              f"`lockstep logs {job['id']} -f`")
+    return 0
+
+
+def _cmd_jobs(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    base, headers = _server(args)
+    jobs = _http("GET", f"{base}/v1/jobs", headers).json()["jobs"]
+    if args.json:
+        print(json.dumps(jobs))
+        return 0
+    table = Table(title="jobs")
+    for col in ("id", "name", "state", "priority", "attempts", "final accuracy", "created"):
+        table.add_column(col)
+    for j in jobs:
+        acc = (j.get("summary") or {}).get("eval_accuracy_final")
+        table.add_row(j["id"], j["name"], j["state"], j["priority"], str(j["attempts"]),
+                      "" if acc is None else f"{acc:.3f}", j["created_at"][:19])
+    Console().print(table)
+    return 0
+
+
+def _format_event(kind: str, data: dict) -> str:
+    if kind == "state":
+        return "state: " + ", ".join(f"{k}={v}" for k, v in data.items())
+    keys = ("train/loss_sum", "rollout/reward_mean", "eval/accuracy", "time/step_s")
+    shown = [f"{k.split('/')[1]}={data[k]:.4g}" for k in keys if isinstance(data.get(k), (int, float))]
+    return f"step {data.get('step')}: " + " ".join(shown)
+
+
+def _cmd_logs(args) -> int:
+    import httpx
+
+    base, headers = _server(args)
+    url = f"{base}/v1/jobs/{args.job}/events"
+    try:
+        with httpx.stream("GET", url, headers=headers, params={"follow": str(args.follow).lower()}, timeout=None) as r:
+            if r.status_code >= 400:
+                r.read()
+                raise SystemExit(f"error: {r.status_code}: {r.json().get('error', r.text)}")
+            kind = None
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    kind = line[7:]
+                elif line.startswith("data: "):
+                    data = json.loads(line[6:])
+                    if kind == "end":
+                        print(f"job ended: {data['state']}")
+                        return 0 if data["state"] == "succeeded" or not args.follow else 1
+                    print(json.dumps(data) if args.json else _format_event(kind, data), flush=True)
+    except httpx.HTTPError as e:
+        raise SystemExit(f"error: {e}") from None
+    return 0
+
+
+def _client_args(p) -> None:
+    p.add_argument("--server", help="job service URL (default: $LOCKSTEP_SERVER or http://127.0.0.1:8000)")
+    p.add_argument("--api-key", help="tenant API key (default: $LOCKSTEP_API_KEY)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _service_args(p, *, client: bool = False) -> None:
+    p.add_argument("--db", help="store URL (default: sqlite under $LOCKSTEP_HOME/service)")
+    if not client:
+        p.add_argument("--storage", help="storage URL: a directory or s3://bucket/prefix (default: under $LOCKSTEP_HOME)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +273,47 @@ def build_parser() -> argparse.ArgumentParser:
     cons.add_argument("--seed", type=int, default=0)
     cons.add_argument("--max-tokens", type=int, default=16)
     cons.set_defaults(func=_cmd_check_consistency)
+    serve = sub.add_parser("serve", help="the Tinker API and job service (starts a worker too)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    _service_args(serve)
+    serve.add_argument("--model", action="append", metavar="NAME=PATH", help="register a local HF model directory")
+    serve.add_argument("--ray-address", help="the worker joins this Ray cluster instead of starting one")
+    serve.add_argument("--no-worker", action="store_true", help="run the API only (start workers with `lockstep worker`)")
+    serve.add_argument("--max-body-mb", type=int, default=32, help="largest request body accepted")
+    serve.set_defaults(func=_cmd_serve)
+    worker = sub.add_parser("worker", help="a service worker: runs queued requests and jobs on the engine")
+    _service_args(worker)
+    worker.add_argument("--model", action="append", metavar="NAME=PATH", help="register a local HF model directory")
+    worker.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
+    worker.add_argument("--persist-every", type=int, default=1, help="optimizer steps between durable model states")
+    worker.add_argument("--job-slots", type=int, default=1, help="jobs this worker runs at once")
+    worker.set_defaults(func=_cmd_worker)
+    tenants = sub.add_parser("tenants", help="manage tenants")
+    tenants_sub = tenants.add_subparsers(dest="tenants", required=True)
+    create = tenants_sub.add_parser("create", help="create a tenant and print its API key once")
+    create.add_argument("name")
+    _service_args(create, client=True)
+    create.add_argument("--json", action="store_true", help='last line: {"tenant": ..., "api_key": ...}')
+    create.add_argument("--max-jobs", type=int, default=2, help="concurrent jobs quota")
+    create.add_argument("--max-models", type=int, default=16, help="models quota")
+    create.set_defaults(func=_cmd_tenants_create)
+    submit = sub.add_parser("submit", help="submit a run config as a job to the job service")
+    submit.add_argument("config", nargs="?", help="TOML run config (default: the embedded default)")
+    submit.add_argument("overrides", nargs="*", help="dotted overrides, as for `lockstep run`")
+    submit.add_argument("--name", help="job name (default: the config's file name)")
+    submit.add_argument("--priority", choices=["reserved", "preemptible"], default="preemptible")
+    submit.add_argument("--max-attempts", type=int, default=3, help="attempts before the job fails")
+    _client_args(submit)
+    submit.set_defaults(func=_cmd_submit)
+    jobs = sub.add_parser("jobs", help="list your jobs")
+    _client_args(jobs)
+    jobs.set_defaults(func=_cmd_jobs)
+    logs = sub.add_parser("logs", help="a job's metrics and state changes")
+    logs.add_argument("job")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep streaming until the job ends")
+    _client_args(logs)
+    logs.set_defaults(func=_cmd_logs)
     return parser
 
 
@@ -124,14 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # Overrides may follow options (`run cfg.toml --run-dir D rl.steps=5`), which argparse alone
     # cannot interleave with positionals.
-    if extra and args.command == "run" and all("=" in x and not x.startswith("-") for x in extra):
+    if extra and args.command in ("run", "submit") and all("=" in x and not x.startswith("-") for x in extra):
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from lockstep.config import ConfigError
     from lockstep.engine.types import EngineError
 
-    if getattr(args, "config", None) and "=" in args.config:  # only overrides were given
+    if getattr(args, "config", None) and "=" in args.config and hasattr(args, "overrides"):  # only overrides given
         args.overrides, args.config = [args.config, *args.overrides], None
     try:
         return args.func(args)

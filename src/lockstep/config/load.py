@@ -123,13 +123,19 @@ def _stage_index(data: dict, kind: str) -> int:
 
 
 def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunSpec:
-    """Read a TOML file (None: the embedded default), apply overrides, validate."""
+    """Read a TOML (or, for the job service, JSON) file (None: the embedded default), apply
+    overrides, validate."""
     data: dict = {}
     if path is not None:
         try:
-            data = tomllib.loads(Path(path).read_text())
+            text = Path(path).read_text()
+            data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
         except FileNotFoundError:
             raise ConfigError(f"config file {str(path)!r} does not exist") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: invalid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a table of sections at the top level")
     return from_dict(apply_overrides(data, overrides))

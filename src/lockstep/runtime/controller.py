@@ -240,6 +240,7 @@ class RLLoop:
             self.c.recover()
             return None
         self.c.stats["wait_s"] += time.perf_counter() - t
+        self.c.stats["tokens/sampled"] += sum(sum(x.sampled) if x.sampled else len(x.tokens) for g in groups for x in g.samples)
         ids = [g.group_id for g in groups]
         self.ledger.generated(ids, max(g.generated_at for g in groups))
         self.ledger.rewarded(ids, max(g.rewarded_at for g in groups))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +27,14 @@ from lockstep.runtime.types import RolloutRequest
 
 REBALANCE_EVERY = 25
 """RL steps between thread-budget decisions (asynchronous stages only)."""
+
+PREEMPT = threading.Event()
+"""Set (by SIGTERM, see `lockstep run`) to checkpoint at the next step boundary and stop."""
+
+
+class Preempted(Exception):
+    """The run checkpointed and stopped on request; `--resume` continues it."""
+
 
 MAX_ROLLBACKS = 16
 """Rollbacks to a checkpoint after component losses before a run gives up (each also spends a
@@ -172,6 +181,9 @@ class Run:
 
     def maybe_checkpoint(self) -> None:
         every = self.spec.runtime.checkpoint_every
+        if PREEMPT.is_set():
+            self.checkpoint()
+            raise Preempted(f"checkpointed at step {self.pos['global_step']}")
         if every and self.pos["global_step"] % every == 0:
             self.checkpoint()
 
@@ -202,14 +214,17 @@ class Run:
         return [g for groups in results for g in groups]
 
     def evaluate(self, stage: str, *, pass_k: int = 0) -> float:
+        t = time.perf_counter()
         groups = self._rollout_all(1, 0.0)
         acc = sum(s.correct for g in groups for s in g.samples) / max(1, len(groups))
         record = {"eval/accuracy": acc, "eval/stage": stage}
         if pass_k:
             sampled = self._rollout_all(pass_k, 1.0)
             record[f"eval/pass@{pass_k}"] = sum(any(s.correct for s in g.samples) for g in sampled) / max(1, len(sampled))
+        self.pos["eval_seconds"] = self.pos.get("eval_seconds", 0.0) + time.perf_counter() - t
         self.pos["evals"].append({"step": self.pos["global_step"], "stage": stage, "time": time.time() - self.t0,
-                                  "accuracy": acc, **{k.split("/")[1]: v for k, v in record.items() if "@" in k}})
+                                  "eval_seconds_so_far": self.pos["eval_seconds"], "accuracy": acc,
+                                  **{k.split("/")[1]: v for k, v in record.items() if "@" in k}})
         self.metrics.log(self.pos["global_step"], record)
         return acc
 
@@ -246,6 +261,7 @@ class Run:
                     for e in self.data[index].get_batch(k)]
             metrics = ctl.wait(self.c.trainer.train.remote(data, "cross_entropy", ctl.adam(stage)), self.c.timeout,
                                "trainer.train")
+            self.c.stats["tokens/trained"] += sum(len(d.model_input) for d in data)
             self.pos["global_step"] += 1
             self.pos["stage_step"] = k + 1
             self.metrics.log(self.pos["global_step"], {"stage": index, "train/loss_sum": metrics["loss:sum"],
@@ -301,6 +317,7 @@ class Run:
             self.pos["global_step"] += 1
             self.pos["stage_step"], self.pos["stage_elapsed"] = step, time.time() - started
             record = self._rl_record(index, batch, metrics, counts, now - state["last"])
+            self.c.stats["tokens/trained"] += sum(len(g.prompt) + len(x.tokens) for g in batch for x in g.samples)
             state["last"] = now
             self.metrics.log(self.pos["global_step"], record)
             if step % stage.eval_every == 0:

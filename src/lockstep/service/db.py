@@ -1,0 +1,238 @@
+"""The store: SQLAlchemy 2 tables for tenants, sessions, models, requests, checkpoints, sampling
+sessions, jobs and usage. SQLite by default, PostgreSQL by URL.
+
+Requests are the queue between the API and the workers: the API inserts them, a worker claims one
+with a conditional UPDATE (so two workers never run the same request), executes it and writes the
+result in the same row. Everything a tenant owns carries its `tenant_id`, and every lookup filters
+on it, so another tenant's object is simply not found.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (JSON, BigInteger, Float, ForeignKey, Index, Integer, LargeBinary, String, Text,
+                        UniqueConstraint, create_engine, event)
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+
+def now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    """sha256 of the API key; the key itself is shown once and never stored."""
+    max_concurrent_jobs: Mapped[int] = mapped_column(Integer, default=2)
+    max_models: Mapped[int] = mapped_column(Integer, default=16)
+    created_at: Mapped[dt.datetime] = mapped_column(default=now)
+
+
+class BaseModelEntry(Base):
+    """A base model the workers can load, registered by name (`lockstep/tiny` always)."""
+
+    __tablename__ = "base_models"
+    name: Mapped[str] = mapped_column(String(256), primary_key=True)
+    path: Mapped[str] = mapped_column(String(1024))
+    """Local Hugging Face directory on the workers (also the tokenizer the SDK is told to load)."""
+    arch: Mapped[str] = mapped_column(String(64))
+    vocab_size: Mapped[int] = mapped_column(Integer)
+    max_context_length: Mapped[int] = mapped_column(Integer)
+    registered_at: Mapped[dt.datetime] = mapped_column(default=now)
+
+
+class Session(Base):
+    __tablename__ = "sessions"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    tags: Mapped[list[Any]] = mapped_column(default=list)
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    sdk_version: Mapped[str] = mapped_column(String(32), default="")
+    created_at: Mapped[dt.datetime] = mapped_column(default=now)
+    last_heartbeat: Mapped[dt.datetime] = mapped_column(default=now)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+    finish_reason: Mapped[str | None] = mapped_column(String(32), default=None)
+
+
+class Model(Base):
+    """A trainable model (a Tinker training run): id "{session}:train:{n}"."""
+
+    __tablename__ = "models"
+    id: Mapped[str] = mapped_column(String(160), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    session_id: Mapped[str] = mapped_column(String(64), index=True)
+    base_model: Mapped[str] = mapped_column(String(256))
+    lora_rank: Mapped[int] = mapped_column(Integer, default=0)
+    """0: full fine-tuning."""
+    lora_seed: Mapped[int] = mapped_column(Integer, default=0)
+    lora_config: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    """The Tinker lora_config as created (rank, seed, train_attn/mlp/unembed); None for full FT."""
+    vocab_size: Mapped[int] = mapped_column(Integer)
+    """Copied from the base model's config, so the API can validate token ids without the model."""
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[dt.datetime] = mapped_column(default=now)
+    last_request_time: Mapped[dt.datetime] = mapped_column(default=now)
+    state_path: Mapped[str | None] = mapped_column(String(512), default=None)
+    """Storage path of the model's last durable state (written at optimizer steps)."""
+    state_seq: Mapped[int] = mapped_column(Integer, default=0)
+    """The seq_id of the last request whose effect `state_path` includes."""
+    done_seq: Mapped[int] = mapped_column(Integer, default=-1)
+    """The seq_id of the last finished request; the next one to run is done_seq + 1."""
+
+
+class Request(Base):
+    __tablename__ = "requests"
+    __table_args__ = (UniqueConstraint("model_id", "seq_id", name="uq_model_seq"),
+                      Index("ix_requests_state", "state", "kind"))
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    model_id: Mapped[str | None] = mapped_column(String(160), index=True, default=None)
+    """The model a training request applies to; for sampling, the sampling session's source."""
+    sampling_session_id: Mapped[str | None] = mapped_column(String(160), default=None)
+    seq_id: Mapped[int | None] = mapped_column(Integer, default=None)
+    """Per-model order (training requests); NULL for sampling."""
+    payload: Mapped[bytes] = mapped_column(LargeBinary)
+    payload_format: Mapped[str] = mapped_column(String(8), default="json")
+    payload_sha: Mapped[str] = mapped_column(String(64))
+    """A retry with the same (model_id, seq_id) and payload gets the same request back."""
+    state: Mapped[str] = mapped_column(String(16), default="queued")
+    result: Mapped[bytes | None] = mapped_column(LargeBinary, default=None)
+    result_format: Mapped[str | None] = mapped_column(String(8), default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    error_category: Mapped[str | None] = mapped_column(String(16), default=None)
+    claimed_by: Mapped[str | None] = mapped_column(String(64), default=None)
+    created_at: Mapped[dt.datetime] = mapped_column(default=now)
+    claimed_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+    order: Mapped[int] = mapped_column(BigInteger, index=True)
+    """Arrival order (monotonic per store), for fair claiming of unordered (sampling) requests."""
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("model_id", "kind", "name", name="uq_checkpoint"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    model_id: Mapped[str] = mapped_column(String(160), index=True)
+    kind: Mapped[str] = mapped_column(String(24))
+    """"weights" (state with optimizer) or "sampler_weights"."""
+    name: Mapped[str] = mapped_column(String(128))
+    storage_path: Mapped[str] = mapped_column(String(512))
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[dt.datetime] = mapped_column(default=now)
+    expires_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+
+
+class SamplingSession(Base):
+    __tablename__ = "sampling_sessions"
+    id: Mapped[str] = mapped_column(String(160), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    session_id: Mapped[str] = mapped_column(String(64))
+    base_model: Mapped[str] = mapped_column(String(256))
+    model_path: Mapped[str | None] = mapped_column(String(512), default=None)
+    """The tinker:// path it samples from; NULL for the base model itself."""
+    weights_path: Mapped[str | None] = mapped_column(String(512), default=None)
+    """Storage path of the pinned weights (a named sampler save, or an ephemeral snapshot)."""
+    lora_rank: Mapped[int] = mapped_column(Integer, default=0)
+    lora_config: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    vocab_size: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[dt.datetime] = mapped_column(default=now)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    spec: Mapped[dict[str, Any]] = mapped_column()
+    priority: Mapped[str] = mapped_column(String(16), default="preemptible")
+    state: Mapped[str] = mapped_column(String(16), default="queued", index=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    max_attempts: Mapped[int] = mapped_column(Integer, default=3)
+    preemptions: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[dt.datetime] = mapped_column(default=now)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    summary: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    worker_id: Mapped[str | None] = mapped_column(String(64), default=None)
+    created_at: Mapped[dt.datetime] = mapped_column(default=now)
+    started_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+
+
+class JobEvent(Base):
+    """A job's metric records and state changes, in order (the SSE stream reads these)."""
+
+    __tablename__ = "job_events"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    """"metrics" (a metrics.jsonl record) or "state"."""
+    data: Mapped[dict[str, Any]] = mapped_column()
+    created_at: Mapped[dt.datetime] = mapped_column(default=now)
+
+
+class Usage(Base):
+    __tablename__ = "usage"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    kind: Mapped[str] = mapped_column(String(24))
+    amount: Mapped[float] = mapped_column(Float)
+    source: Mapped[str] = mapped_column(String(160), default="")
+    """The request or job it was metered for."""
+    created_at: Mapped[dt.datetime] = mapped_column(default=now)
+
+
+class Endpoint(Base):
+    """A live API instance or worker and its doorbell address (see service/doorbell.py)."""
+
+    __tablename__ = "endpoints"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    role: Mapped[str] = mapped_column(String(16))
+    """"api" or "worker"."""
+    host: Mapped[str] = mapped_column(String(64))
+    port: Mapped[int] = mapped_column(Integer)
+    last_seen: Mapped[dt.datetime] = mapped_column(default=now)
+
+
+class Counter(Base):
+    """Named monotonic counters (request arrival order)."""
+
+    __tablename__ = "counters"
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    # WAL lets the API read while a worker writes; a busy timeout turns lock contention into waits.
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def default_url(home) -> str:
+    return f"sqlite:///{home}/service.db"
+
+
+def connect(url: str) -> tuple[Engine, sessionmaker]:
+    """An engine and session factory for `url`, with the tables created if missing."""
+    kwargs: dict = {}
+    if url.startswith("sqlite"):
+        kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+    engine = create_engine(url, pool_pre_ping=True, **kwargs)
+    if url.startswith("sqlite"):
+        event.listen(engine, "connect", _sqlite_pragmas)
+    Base.metadata.create_all(engine)
+    return engine, sessionmaker(engine, expire_on_commit=False)

@@ -1,0 +1,207 @@
+"""The engine host: a Ray actor that holds trainers and samplers and executes queued requests.
+
+It knows nothing of the store: the worker hands it a request (kind, payload, what the store says
+about the model or sampling session) and writes back what it returns. Weights it must keep across
+restarts (named saves, ephemeral sampler snapshots, a model's durable state) go to storage.
+Sampling sessions share one model skeleton per (base model, LoRA shape): before a batch, the
+skeleton's trainable parameters are pointed at the session's pinned weights (no copy), so a
+sampler stays on its snapshot while training goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+class HostError(Exception):
+    """A user error found while executing (the message goes back to the client)."""
+
+
+def lora_spec(cfg: dict | None):
+    from lockstep.engine.types import LoraSpec
+
+    if not cfg or int(cfg.get("rank", 0)) == 0:
+        return None
+    targets = (ATTN if cfg.get("train_attn", True) else ()) + (MLP if cfg.get("train_mlp", True) else ())
+    if cfg.get("train_unembed", True):
+        targets += ("lm_head",)
+    if not targets:
+        raise HostError("lora_config trains nothing: set at least one of train_attn, train_mlp, train_unembed")
+    # alpha = rank: the SDK sends no alpha; a scale of 1 keeps the adapter's step size independent of rank.
+    return LoraSpec(rank=int(cfg["rank"]), alpha=float(cfg["rank"]), target_modules=targets, seed=int(cfg.get("seed") or 0))
+
+
+@ray.remote
+class EngineHost:
+    def __init__(self, storage_url: str, cache_dir: str, threads: int):
+        import torch
+
+        from lockstep.service.storage import Storage
+
+        torch.set_num_threads(threads)
+        self.storage = Storage(storage_url)
+        self.cache = Path(cache_dir)
+        self.cache.mkdir(parents=True, exist_ok=True)
+        self.trainers: dict = {}
+        self.skeletons: dict = {}
+        self.sessions: dict = {}
+        self.started = time.time()
+
+    def ping(self) -> float:
+        return self.started
+
+    # -- models ----------------------------------------------------------------------------------
+    def has_model(self, model_id: str) -> bool:
+        return model_id in self.trainers
+
+    def drop_model(self, model_id: str) -> None:
+        self.trainers.pop(model_id, None)
+
+    def _trainer(self, model_id: str):
+        if model_id not in self.trainers:
+            raise HostError(f"model {model_id} is not loaded")
+        return self.trainers[model_id]
+
+    def create_model(self, model_id: str, base_path: str, lora: dict | None) -> dict:
+        from lockstep.engine.trainer import Trainer
+
+        self.trainers[model_id] = Trainer.from_pretrained(base_path, lora=lora_spec(lora))
+        return {"model_id": model_id, "type": "create_model"}
+
+    def restore_state(self, model_id: str, base_path: str, lora: dict | None, storage_path: str,
+                      optimizer: bool = True) -> None:
+        """(Re)build a model from a saved state: create-via-load, or recovery after a restart."""
+        from lockstep.engine.trainer import Trainer
+
+        local = self.storage.fetch_dir(storage_path, self.cache)
+        if model_id not in self.trainers:
+            self.trainers[model_id] = Trainer.from_pretrained(base_path, lora=lora_spec(lora))
+        self.trainers[model_id].load_state(local, optimizer=optimizer)
+
+    def forward_backward(self, model_id: str, body: bytes, forward_only: bool) -> tuple[bytes, int]:
+        from lockstep.engine.types import Datum, EngineError
+        from lockstep.service import wire
+
+        fb = wire.decode_forward_backward(body)
+        data = [Datum(d.model_input, d.loss_fn_inputs) for d in fb.data]
+        trainer = self._trainer(model_id)
+        try:
+            run = trainer.forward if forward_only else trainer.forward_backward
+            out = run(data, fb.loss_fn, fb.loss_fn_config)
+        except (EngineError, ValueError) as e:
+            raise HostError(str(e)) from None
+        tokens = sum(len(d.model_input) for d in data)
+        return wire.encode_forward_output(out.loss_fn_outputs, out.metrics), tokens
+
+    def optim_step(self, model_id: str, adam: dict) -> dict:
+        from lockstep.engine.types import AdamParams, EngineError
+
+        try:
+            metrics = self._trainer(model_id).optim_step(AdamParams(**adam))
+        except EngineError as e:
+            raise HostError(str(e)) from None
+        return {"metrics": metrics, "type": "optim_step"}
+
+    def save_state(self, model_id: str, key: str, optimizer: bool = True) -> int:
+        """Weights (and optimizer) to storage under `key`; returns the bytes written."""
+        trainer = self._trainer(model_id)
+        with tempfile.TemporaryDirectory(dir=self.cache) as tmp:
+            path = Path(tmp) / "state"
+            if optimizer:
+                trainer.save_state(path)
+            else:
+                _save_weights(trainer, path)
+            return self.storage.put_dir(path, key)
+
+    # -- sampling --------------------------------------------------------------------------------
+    def _skeleton(self, base_path: str, lora: dict | None):
+        """One model + sampler per (base model, LoRA shape); returns its key."""
+        from lockstep.engine.sampler import Sampler
+        from lockstep.engine.trainer import Trainer
+
+        key = (base_path, json.dumps(lora if lora and lora.get("rank") else None, sort_keys=True))
+        if key not in self.skeletons:
+            t = Trainer.from_pretrained(base_path, lora=lora_spec(lora))
+            original = {n: p.data for n, p in t.params.items()}
+            self.skeletons[key] = (t, Sampler(t.model, t.tokenizer), original)
+        return key
+
+    def open_session(self, session_id: str, base_path: str, lora: dict | None, weights_key: str | None) -> None:
+        """Pin a sampling session to weights in storage (None: the base model itself)."""
+        if session_id in self.sessions:
+            return
+        key = self._skeleton(base_path, lora)
+        trainer, _sampler, original = self.skeletons[key]
+        weights = original if weights_key is None else _load_weights(self.storage.fetch_dir(weights_key, self.cache), trainer)
+        self.sessions[session_id] = (key, weights)
+
+    def snapshot_session(self, model_id: str, session_id: str, key: str, base_path: str, lora: dict | None) -> int:
+        """An ephemeral sampler on the model's current weights: persisted (for restarts), then
+        pinned to a copy; returns the bytes written."""
+        trainer = self._trainer(model_id)
+        size = self.save_state(model_id, key, optimizer=False)
+        skel = self._skeleton(base_path, lora)
+        self.sessions[session_id] = (skel, {n: p.detach().clone() for n, p in trainer.params.items()})
+        return size
+
+    def has_session(self, session_id: str) -> bool:
+        return session_id in self.sessions
+
+    def sample(self, session_id: str, body: dict) -> tuple[bytes, int]:
+        from lockstep.engine.types import EngineError, SampleRequest, SamplingParams
+        from lockstep.service import wire
+
+        if session_id not in self.sessions:
+            raise HostError(f"sampling session {session_id} is not open")
+        skel_key, weights = self.sessions[session_id]
+        trainer, sampler, _ = self.skeletons[skel_key]
+        for name, p in trainer.params.items():
+            p.data = weights[name]
+        p = body["sampling_params"]
+        stop = p.get("stop")
+        stop = (stop,) if isinstance(stop, str) else (tuple(stop) if stop is not None else None)
+        prompt = wire.tokens_from_model_input(body["prompt"], "prompt")
+        try:
+            params = SamplingParams(max_tokens=p.get("max_tokens") or 256, temperature=float(p.get("temperature", 1.0)),
+                                    top_p=float(p.get("top_p", 1.0)), top_k=int(p.get("top_k", -1)), stop=stop,
+                                    seed=p.get("seed"))
+            [res] = sampler.sample([SampleRequest(prompt, params, num_samples=int(body.get("num_samples", 1)),
+                                                  prompt_logprobs=bool(body.get("prompt_logprobs")))])
+        except EngineError as e:
+            raise HostError(str(e)) from None
+        seqs = [(s.tokens, s.logprobs, s.stop_reason) for s in res.sequences]
+        tokens = sum(len(s.tokens) for s in res.sequences)
+        return wire.encode_sample_response(seqs, res.prompt_logprobs), tokens
+
+
+def _save_weights(trainer, path: Path) -> None:
+    """Trainable weights only (a sampler snapshot), in the engine's atomic checkpoint format."""
+    from lockstep.engine import checkpoint_io
+
+    meta = {"format": "lockstep-sampler-weights", "base_model": trainer.base_model, "step": trainer.step,
+            "lora_rank": trainer.lora.rank if trainer.lora else 0}
+    checkpoint_io.write_checkpoint(path, tensors={"model": {n: p.detach() for n, p in trainer.params.items()}}, meta=meta)
+
+
+def _load_weights(local: Path, trainer) -> dict:
+    from lockstep.engine import checkpoint_io
+
+    tensors, _meta = checkpoint_io.read_checkpoint(local, stems=("model",))
+    weights = tensors["model"]
+    missing = set(trainer.params) - set(weights)
+    if missing:
+        raise HostError(f"sampler weights at {local.name} do not fit this model (missing {sorted(missing)[:3]})")
+    return {n: weights[n] for n in trainer.params}
+
+
+def clear_cache(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)

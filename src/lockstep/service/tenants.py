@@ -1,0 +1,50 @@
+"""Tenants and their API keys. A key is shown once at creation; only its sha256 is stored.
+
+Keys look like `tml-<random>` because the Tinker SDK refuses keys without that prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import uuid
+
+from sqlalchemy import select
+
+from lockstep.service.db import Tenant
+from lockstep.service.types import Conflict, ServiceError, Unauthorized
+
+KEY_PREFIX = "tml-"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def create_tenant(session, name: str, *, max_concurrent_jobs: int = 2, max_models: int = 16) -> tuple[Tenant, str]:
+    """A new tenant and its API key (the only time the key exists in clear)."""
+    if not NAME_RE.match(name or ""):
+        raise ServiceError(f"tenant name {name!r}: use 1-64 letters, digits, '_', '.', '-', starting with a letter or digit")
+    if session.scalar(select(Tenant).where(Tenant.name == name)) is not None:
+        raise Conflict(f"tenant {name!r} already exists")
+    key = new_key()
+    tenant = Tenant(id=uuid.uuid4().hex, name=name, key_hash=hash_key(key), max_concurrent_jobs=max_concurrent_jobs,
+                    max_models=max_models)
+    session.add(tenant)
+    session.commit()
+    return tenant, key
+
+
+def authenticate(session, key: str | None) -> Tenant:
+    if not key:
+        raise Unauthorized("missing API key: send it in the X-API-Key header (create one with `lockstep tenants create`)")
+    tenant = session.scalar(select(Tenant).where(Tenant.key_hash == hash_key(key)))
+    if tenant is None:
+        raise Unauthorized("unknown API key")
+    return tenant

@@ -1,0 +1,138 @@
+"""The service's contract: request kinds and states, job states and their transitions, errors.
+
+Torch-free and Ray-free: the API process imports this, the store, the wire codecs and nothing of
+the engine. Requests become rows in the store; workers claim them, execute them and write the
+results back (see docs/architecture.md, "Service").
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ServiceError(Exception):
+    """A request the service refuses. `status` is the HTTP status; the message says what to fix."""
+
+    status = 400
+    category = "user"
+
+    def __init__(self, message: str, *, status: int | None = None):
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+
+
+class NotFound(ServiceError):
+    """Unknown object, or one that belongs to another tenant (indistinguishable on purpose)."""
+
+    status = 404
+
+
+class Conflict(ServiceError):
+    status = 409
+
+
+class Unauthorized(ServiceError):
+    status = 401
+
+
+class QuotaExceeded(ServiceError):
+    status = 429
+
+
+class RequestKind(str, enum.Enum):
+    """What a queued request asks a worker to do (the Tinker request types)."""
+
+    CREATE_MODEL = "create_model"
+    LOAD_WEIGHTS = "load_weights"
+    FORWARD_BACKWARD = "forward_backward"
+    FORWARD = "forward"
+    OPTIM_STEP = "optim_step"
+    SAVE_WEIGHTS = "save_weights"
+    SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
+    SAMPLE = "sample"
+
+    @property
+    def changes_model(self) -> bool:
+        """Requests whose effect lives in the model's state (replayed after a worker restart)."""
+        return self in (RequestKind.CREATE_MODEL, RequestKind.LOAD_WEIGHTS, RequestKind.FORWARD_BACKWARD,
+                        RequestKind.OPTIM_STEP)
+
+
+class RequestState(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class JobState(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    PREEMPTING = "preempting"
+    """Asked to checkpoint and stop; goes back to QUEUED, and later resumes from the checkpoint."""
+    CANCELLING = "cancelling"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+JOB_TRANSITIONS: dict[JobState, tuple[JobState, ...]] = {
+    JobState.QUEUED: (JobState.RUNNING, JobState.CANCELLED),
+    JobState.RUNNING: (JobState.SUCCEEDED, JobState.FAILED, JobState.QUEUED, JobState.PREEMPTING,
+                       JobState.CANCELLING),
+    JobState.PREEMPTING: (JobState.QUEUED, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLING),
+    JobState.CANCELLING: (JobState.CANCELLED, JobState.SUCCEEDED, JobState.FAILED),
+    JobState.SUCCEEDED: (),
+    JobState.FAILED: (),
+    JobState.CANCELLED: (),
+}
+"""RUNNING -> QUEUED is a failed attempt with retries left (after a backoff) or a finished
+preemption; a job only ever ends in a terminal state."""
+
+
+class Priority(str, enum.Enum):
+    RESERVED = "reserved"
+    """May preempt preemptible jobs when capacity is full."""
+    PREEMPTIBLE = "preemptible"
+
+
+class UsageKind(str, enum.Enum):
+    COMPUTE_SECONDS = "compute_seconds"
+    TOKENS_TRAINED = "tokens_trained"
+    TOKENS_SAMPLED = "tokens_sampled"
+
+
+BUILTIN_MODEL = "lockstep/tiny"
+"""The base-model name under which the built-in tiny model is always registered."""
+
+
+SUPPORTED_LOSSES: dict[str, tuple[str, ...]] = {
+    "cross_entropy": (),
+    "importance_sampling": (),
+    "ppo": ("clip_low_threshold", "clip_high_threshold"),
+    "cispo": ("clip_low_threshold", "clip_high_threshold"),
+    "dro": ("beta",),
+    "gspo": ("clip_low_threshold", "clip_high_threshold"),
+}
+"""The engine's built-in losses and their config keys, for the torch-free API to check requests
+against (tests/test_service_api.py asserts this equals the engine's registry)."""
+
+CORRECTION_KEYS = ("tis_cap", "mis_low", "mis_high")
+"""Config keys every loss accepts: truncated / masked importance-sampling corrections."""
+
+
+def check_loss(name: str, config: dict) -> None:
+    if name == "stable_reinforce":
+        raise ServiceError(f"loss 'stable_reinforce' is not supported: its math is unpublished, so it cannot be "
+                           f"reproduced faithfully; supported: {', '.join(SUPPORTED_LOSSES)}")
+    if name not in SUPPORTED_LOSSES:
+        raise ServiceError(f"unknown loss {name!r}; supported: {', '.join(SUPPORTED_LOSSES)}")
+    allowed = set(SUPPORTED_LOSSES[name]) | set(CORRECTION_KEYS)
+    unknown = sorted(set(config) - allowed)
+    if unknown:
+        raise ServiceError(f"loss {name!r} does not take config keys {unknown}; it takes {sorted(allowed)}")
