@@ -201,5 +201,11 @@ def usage(request: Request, t: Tenant = TENANT) -> dict:
 
 
 @router.get("/health")
-def health() -> dict:
-    return {"status": "ok", "torch_loaded": "torch" in sys.modules}
+def health(request: Request) -> dict:
+    """Liveness, and what a client may wait for: registered base models and live workers."""
+    from lockstep.service.db import BaseModelEntry, Endpoint
+
+    with db(request) as s:
+        models = s.scalar(select(func.count()).select_from(BaseModelEntry))
+        workers = s.scalar(select(func.count()).select_from(Endpoint).where(Endpoint.role == "worker"))
+    return {"status": "ok", "torch_loaded": "torch" in sys.modules, "base_models": models, "workers": workers}

@@ -119,6 +119,9 @@ def _base(s, name: str) -> BaseModelEntry:
     entry = s.get(BaseModelEntry, name)
     if entry is None:
         known = [m.name for m in s.scalars(select(BaseModelEntry))]
+        if not known:
+            raise ServiceError(f"unknown base_model {name!r}: no worker has registered models yet (is `lockstep worker` "
+                               f"running? `lockstep serve` starts one and it takes a few seconds)", status=503)
         raise ServiceError(f"unknown base_model {name!r}; this server has {known}")
     return entry
 
