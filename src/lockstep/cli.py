@@ -93,13 +93,10 @@ def _cmd_run(args) -> int:
             info = f"acc {acc:.2f}" + (f"  reward {reward:.2f}" if reward is not None else "")
             bar.update(task, completed=step, description=what, info=info)
 
-        import signal
+        from lockstep.runtime.run import Preempted
 
-        from lockstep.runtime.run import PREEMPT, Preempted
-
-        signal.signal(signal.SIGTERM, lambda *_: PREEMPT.set())  # checkpoint at the next step, then stop
-        try:
-            summary = run(spec, Path(run_dir), progress, resume=bool(args.resume))
+        try:  # SIGTERM: checkpoint at the next step, then stop (the job service preempts this way)
+            summary = run(spec, Path(run_dir), progress, resume=bool(args.resume), preemptible=True)
         except Preempted as e:
             console.print(f"preempted: {e}; continue with lockstep run --resume {run_dir}")
             return PREEMPTED_EXIT
@@ -114,7 +111,7 @@ def _cmd_run(args) -> int:
 def _cmd_serve(args) -> int:
     from lockstep.service.serve import default_db, default_storage, parse_models, run_api
 
-    worker = None if args.no_worker else [*(f"--model={m}" for m in args.model or ()),
+    worker = None if args.no_worker else [*(f"--model={m}" for m in args.model or ()), "--job-slots", str(args.job_slots),
                                           *(["--ray-address", args.ray_address] if args.ray_address else [])]
     parse_models(args.model)
     return run_api(host=args.host, port=args.port, db=args.db or default_db(), storage=args.storage or default_storage(),
@@ -212,9 +209,10 @@ def _cmd_jobs(args) -> int:
 def _format_event(kind: str, data: dict) -> str:
     if kind == "state":
         return "state: " + ", ".join(f"{k}={v}" for k, v in data.items())
-    keys = ("train/loss_sum", "rollout/reward_mean", "eval/accuracy", "time/step_s")
-    shown = [f"{k.split('/')[1]}={data[k]:.4g}" for k in keys if isinstance(data.get(k), (int, float))]
-    return f"step {data.get('step')}: " + " ".join(shown)
+    names = {"train/loss_sum": "loss", "rollout/reward_mean": "reward", "eval/accuracy": "eval_accuracy",
+             "time/step_s": "step_s"}
+    shown = [f"{name}={data[k]:.4g}" for k, name in names.items() if isinstance(data.get(k), (int, float))]
+    return f"step {data.get('step')}: " + " ".join(shown) if shown else ""
 
 
 def _cmd_logs(args) -> int:
@@ -236,7 +234,9 @@ def _cmd_logs(args) -> int:
                     if kind == "end":
                         print(f"job ended: {data['state']}")
                         return 0 if data["state"] == "succeeded" or not args.follow else 1
-                    print(json.dumps(data) if args.json else _format_event(kind, data), flush=True)
+                    line = json.dumps(data) if args.json else _format_event(kind, data)
+                    if line:
+                        print(line, flush=True)
     except httpx.HTTPError as e:
         raise SystemExit(f"error: {e}") from None
     return 0
@@ -281,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ray-address", help="the worker joins this Ray cluster instead of starting one")
     serve.add_argument("--no-worker", action="store_true", help="run the API only (start workers with `lockstep worker`)")
     serve.add_argument("--max-body-mb", type=int, default=32, help="largest request body accepted")
+    serve.add_argument("--job-slots", type=int, default=1, help="jobs its worker runs at once")
     serve.set_defaults(func=_cmd_serve)
     worker = sub.add_parser("worker", help="a service worker: runs queued requests and jobs on the engine")
     _service_args(worker)

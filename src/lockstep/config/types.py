@@ -154,6 +154,9 @@ def default_stages() -> tuple[StageSpec, ...]:
 class RuntimeSpec:
     ray_address: str = ""
     """Empty: start a local Ray instance; otherwise join this cluster address."""
+    cpus: int = 0
+    """CPUs this run may use for its actors and threads (0: every core of the machine); the job
+    service sets it to its slot's share."""
     generator_threads: int = 1
     trainer_threads: int = 1
     env_workers: int = 1
@@ -168,6 +171,7 @@ class RuntimeSpec:
     resumes from the last checkpoint)."""
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.cpus, int) and self.cpus >= 0, "runtime.cpus", "an integer >= 0", self.cpus)
         for name in ("generator_threads", "trainer_threads", "env_workers"):
             v = getattr(self, name)
             _require(isinstance(v, int) and v >= 1, f"runtime.{name}", "an integer >= 1", v)

@@ -27,8 +27,8 @@ class Plan:
 
 
 def make_plan(spec: RunSpec) -> Plan:
-    budget = os.cpu_count() or 2
     r = spec.runtime
+    budget = r.cpus or os.cpu_count() or 2
     share = budget / (2 + 0.25 * r.env_workers)
     stages = []
     for s in spec.stages:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -34,6 +35,13 @@ PREEMPT = threading.Event()
 
 class Preempted(Exception):
     """The run checkpointed and stopped on request; `--resume` continues it."""
+
+
+def preempt_on_sigterm() -> None:
+    """SIGTERM sets PREEMPT. Installed after ray.init, which replaces the SIGTERM handler with its
+    own (that one exits at once, losing the steps since the last checkpoint)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: PREEMPT.set())
 
 
 MAX_ROLLBACKS = 16
@@ -371,8 +379,10 @@ class Run:
         return summary
 
 
-def run(spec: RunSpec, run_dir: Path, progress=lambda *a, **k: None, *, resume: bool = False) -> dict:
-    """Run `spec` into `run_dir`; with `resume`, continue it from its newest checkpoint."""
+def run(spec: RunSpec, run_dir: Path, progress=lambda *a, **k: None, *, resume: bool = False,
+        preemptible: bool = False) -> dict:
+    """Run `spec` into `run_dir`; with `resume`, continue it from its newest checkpoint. With
+    `preemptible`, SIGTERM checkpoints at the next step and raises Preempted."""
     check_losses(spec)
     plan = make_plan(spec)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -384,6 +394,8 @@ def run(spec: RunSpec, run_dir: Path, progress=lambda *a, **k: None, *, resume: 
     if not resume and (run_dir / "ledger.jsonl").exists():
         raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick another --run-dir")
     start_ray(plan)
+    if preemptible:
+        preempt_on_sigterm()
     c = build(spec, plan, model_path, run_dir)
     r = Run(spec, plan, run_dir, progress, suite, data, c)
     try:

@@ -89,7 +89,7 @@ def submit_job(body: Submit, request: Request, t: Tenant = TENANT) -> dict:
         if waiting >= MAX_QUEUED:
             raise QuotaExceeded(f"tenant {t.name!r} has {waiting} jobs waiting (at most {MAX_QUEUED})")
         job = Job(id=uuid.uuid4().hex[:16], tenant_id=t.id, name=body.name[:128], spec=spec,
-                  priority=body.priority.value, max_attempts=body.max_attempts)
+                  priority=body.priority.value, max_attempts=body.max_attempts, state=JobState.QUEUED.value)
         s.add(job)
         s.add(JobEvent(job_id=job.id, kind="state", data={"state": job.state}))
         s.commit()

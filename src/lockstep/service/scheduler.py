@@ -138,7 +138,8 @@ class Scheduler:
         d = self.run_dir(job.id)
         d.mkdir(parents=True, exist_ok=True)
         spec = d / "spec.json"
-        spec.write_text(json.dumps(job.spec))
+        share = max(1, int(ray.cluster_resources().get("CPU", 1)) // max(1, self.capacity()))
+        spec.write_text(json.dumps({**job.spec, "runtime": {**job.spec.get("runtime", {}), "cpus": share}}))
         run = d / "run"
         resume = (run / "ledger.jsonl").exists()
         cmd = [sys.executable, "-m", "lockstep.cli", "run"]

@@ -103,7 +103,8 @@ class Worker:
         address = self.config.ray_address or ray.get_runtime_context().gcs_address
         self.scheduler = Scheduler(self.sessions, self.storage, home, address)
         threads = self.config.threads or os.cpu_count() or 2
-        self.host = EngineHost.options(max_restarts=-1, max_task_retries=0).remote(
+        # num_cpus=0: the host takes no Ray CPU slot, which the jobs' actors need; it sets its own threads.
+        self.host = EngineHost.options(num_cpus=0, max_restarts=-1, max_task_retries=0).remote(
             self.config.storage_url, str(home / "cache"), threads)
         ray.get(self.host.ping.remote(), timeout=300)
 
