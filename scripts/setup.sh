@@ -9,5 +9,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # Pin the CPU wheel before anything that depends on torch, or pip pulls a multi-GB CUDA build.
 .venv/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0"
-.venv/bin/pip install --quiet --disable-pip-version-check -e ".[dev]"
+.venv/bin/pip install --quiet --disable-pip-version-check -e ".[dev,cookbook]"
+.venv/bin/pip install --quiet --disable-pip-version-check --no-deps "tinker-cookbook==0.6.1"
+# PostgreSQL, for the service's store tests (the store defaults to SQLite): installed when this
+# runs as root on Debian/Ubuntu, as CI does; the tests start their own server in a temp dir.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql) >/dev/null 2>&1 \
+    || echo "setup: could not install PostgreSQL; its tests will be skipped"
+fi
 echo "lockstep is set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

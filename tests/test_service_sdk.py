@@ -73,11 +73,12 @@ class Server:
         self.procs.clear()
 
 
-def make_server(tmp: Path, models=()) -> Server:
+def make_server(tmp: Path, models=(), *, db: str | None = None, storage: str | None = None,
+                env: dict | None = None) -> Server:
     env = {**os.environ, "LOCKSTEP_HOME": os.environ.get("LOCKSTEP_HOME", str(tmp / "home")), "PYTHONWARNINGS": "ignore",
-           "TINKER_TELEMETRY": "0"}
-    return Server(f"http://127.0.0.1:{free_port()}", f"sqlite:///{tmp / 'db.sqlite'}", str(tmp / "storage"), env,
-                  list(models), [])
+           "TINKER_TELEMETRY": "0", **(env or {})}
+    return Server(f"http://127.0.0.1:{free_port()}", db or f"sqlite:///{tmp / 'db.sqlite'}",
+                  storage or str(tmp / "storage"), env, list(models), [])
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,10 @@ MANIFEST = "MANIFEST.json"
 class Storage:
     def __init__(self, url: str, **options):
         self.url = url.rstrip("/")
+        if self.url.startswith("s3://"):
+            # The API and the workers write the same bucket from different processes: a cached
+            # listing in one would hide the other's writes.
+            options = {"use_listings_cache": False, "skip_instance_cache": True, **options}
         self.fs, root = fsspec.core.url_to_fs(self.url, **options)
         self.root = root.rstrip("/")
         self.local = self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol
