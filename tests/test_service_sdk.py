@@ -206,6 +206,9 @@ def test_save_and_load_state_round_trip_is_exact(server):
     assert not all((a == b).all() for a, b in zip(after[0], after[2]))  # fresh moments: another step
     runs = sc.create_rest_client().list_checkpoints(tc.model_id).result()
     assert [c.checkpoint_id for c in runs.checkpoints] == ["weights/mid"]
+    with pytest.raises(Exception, match="already exists"):
+        tc.save_state("mid").result()
+    assert tc.save_state("mid", overwrite=True).result().path == path
 
 
 def test_two_tenants_are_kept_apart(server):

@@ -103,6 +103,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
     app.state.waiters = doorbell.Waiters()
     app.state.instance = f"api-{uuid.uuid4().hex[:12]}"
     app.state.sock = doorbell.bind()
+    app.state.workers = doorbell.AddressBook(sessions, "worker")
 
     @app.exception_handler(ServiceError)
     async def _service_error(_req, e: ServiceError):
@@ -141,9 +142,7 @@ def tenant_of(request: Request) -> Tenant:
 
 
 def ring_workers(request: Request) -> None:
-    with db(request) as s:
-        addrs = doorbell.addresses(s, "worker")
-    doorbell.ring(request.app.state.sock, addrs)
+    doorbell.ring(request.app.state.sock, request.app.state.workers.get())
 
 
 def load_request(request: Request, tenant: Tenant, request_id: str) -> RequestRow:

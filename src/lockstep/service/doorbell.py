@@ -33,6 +33,24 @@ def addresses(session, role: str) -> list[tuple[str, int]]:
     return [(e.host, e.port) for e in session.scalars(select(Endpoint).where(Endpoint.role == role))]
 
 
+class AddressBook:
+    """The live endpoints of a role, re-read from the store at most every `ttl_s` seconds."""
+
+    def __init__(self, sessions, role: str, ttl_s: float = 2.0):
+        self.sessions, self.role, self.ttl_s = sessions, role, ttl_s
+        self._addrs: list = []
+        self._at = -1e9
+
+    def get(self) -> list:
+        import time
+
+        if time.monotonic() - self._at > self.ttl_s:
+            with self.sessions() as s:
+                self._addrs = addresses(s, self.role)
+            self._at = time.monotonic()
+        return self._addrs
+
+
 def ring(sock: socket.socket, addrs, message: bytes = b"!") -> None:
     for addr in addrs:
         try:

@@ -268,12 +268,14 @@ class SaveWeights(Body):
     user_metadata: dict[str, Any] | None = None
     sampling_session_seq_id: int | None = None
     kind: str | None = None
+    overwrite: bool = False
 
 
 @router.post("/save_weights")
 async def save_weights(body: SaveWeights, request: Request, t: Tenant = TENANT) -> dict:
     name = wire.check_name(body.path, "save_weights path")
-    payload = json.dumps({"name": name, "ttl_seconds": body.ttl_seconds, "user_metadata": body.user_metadata}).encode()
+    payload = json.dumps({"name": name, "ttl_seconds": body.ttl_seconds, "user_metadata": body.user_metadata,
+                          "overwrite": body.overwrite}).encode()
     return await _submit_training(request, t, body.model_id, body.seq_id, payload, "json", RequestKind.SAVE_WEIGHTS)
 
 

@@ -72,6 +72,9 @@ class Worker:
         self.engine, self.sessions = connect(config.db_url)
         self.storage = Storage(config.storage_url)
         self.sock = doorbell.bind()
+        self.apis = doorbell.AddressBook(self.sessions, "api")
+        self.loaded: set[str] = set()
+        """Models known to be in the host (cleared when the host restarts)."""
         self.host = None
         self.scheduler: Scheduler | None = None
         self._stop = False
@@ -179,10 +182,10 @@ class Worker:
                 if amount:
                     s.add(Usage(tenant_id=req.tenant_id, kind=kind.value, amount=float(amount), source=req.id))
             queue.finish(s, req.id, result=result, result_format=fmt, error=error, category=category)
-            addrs = doorbell.addresses(s, "api")
-        doorbell.ring(self.sock, addrs, req.id.encode())
+        doorbell.ring(self.sock, self.apis.get(), req.id.encode())
 
     def _host_lost(self, req: Request) -> None:
+        self.loaded.clear()
         with self.sessions() as s:
             queue.requeue_abandoned(s, self.id)
         ray.get(self.host.ping.remote(), timeout=300)  # wait for Ray to restart it
@@ -211,12 +214,14 @@ class Worker:
     def _create_model(self, req, model, base_path):
         payload = json.loads(req.payload)
         out = self._call(self.host.create_model.remote(model.id, base_path, payload.get("lora_config")))
+        self.loaded.add(model.id)
         return json.dumps(out).encode(), "json", {}, None
 
     def _load_weights(self, req, model, base_path):
         p = json.loads(req.payload)
         self._call(self.host.restore_state.remote(model.id, base_path, model.lora_config, p["storage_path"],
                                                   bool(p.get("optimizer"))))
+        self.loaded.add(model.id)
         return json.dumps({"path": p["path"], "model_id": model.id, "type": "load_weights"}).encode(), "json", {}, None
 
     def _forward_backward(self, req, model, base_path, forward_only: bool = False):
@@ -261,6 +266,12 @@ class Worker:
 
     def _save_weights(self, req, model, base_path):
         p = json.loads(req.payload)
+        with self.sessions() as s:
+            exists = s.scalar(select(Checkpoint).where(Checkpoint.model_id == model.id, Checkpoint.kind == "weights",
+                                                       Checkpoint.name == p["name"])) is not None
+        if exists and not p.get("overwrite"):
+            raise _UserError(f"checkpoint weights/{p['name']} already exists for {model.id}; pass overwrite=True "
+                             f"to replace it")
         key = f"checkpoints/{model.tenant_id}/{_safe(model.id)}/weights/{p['name']}"
         size = self._call(self.host.save_state.remote(model.id, key, True))
         path = f"tinker://{model.id}/weights/{p['name']}"
@@ -300,7 +311,8 @@ class Worker:
     def ensure_model(self, model: Model, base_path: str) -> None:
         """Rebuild a model the host does not hold: its durable state, then a replay of the
         finished requests after it that change the model."""
-        if self._call(self.host.has_model.remote(model.id)):
+        if model.id in self.loaded or self._call(self.host.has_model.remote(model.id)):
+            self.loaded.add(model.id)
             return
         after = -1
         if model.state_path:
