@@ -172,3 +172,43 @@ def test_tenants_cli_prints_the_key_once_as_json(tmp_path):
     dup = subprocess.run([sys.executable, "-m", "lockstep.cli", "tenants", "create", "carol", "--db", db],
                          capture_output=True, text=True)
     assert dup.returncode == 2 and "already exists" in dup.stderr
+
+
+def test_model_quota_is_a_429_that_creates_nothing(api):
+    client, sessions, key, _ = api
+    from lockstep.service.db import Tenant
+
+    with sessions() as s:
+        s.scalar(select(Tenant).where(Tenant.name == "alice")).max_models = 2
+        s.commit()
+    sid, _ = new_model(client, key)
+    post(client, "create_model", key, {"session_id": sid, "model_seq_id": 1, "base_model": "lockstep/tiny"})
+    before = counts(sessions)
+    r = post(client, "create_model", key, {"session_id": sid, "model_seq_id": 2, "base_model": "lockstep/tiny"})
+    assert r.status_code == 429 and "quota 2" in r.json()["error"], r.text
+    assert counts(sessions) == before
+    retry = post(client, "create_model", key, {"session_id": sid, "model_seq_id": 1, "base_model": "lockstep/tiny"})
+    assert retry.status_code == 200  # a retried creation of an existing model is not a new model
+
+
+def test_training_requests_run_in_seq_order_whatever_order_they_arrive(api):
+    """The SDK posts the first chunk of a batch last: seq 2 waits until seq 1 is done."""
+    from lockstep.service import queue
+
+    client, sessions, key, _ = api
+    _, mid = new_model(client, key)
+    proto = {"headers": {"X-API-Key": key, "Content-Type": "application/x-protobuf"}}
+    for seq in (2, 1):
+        assert client.post("/api/v1/forward_backward", content=fwdbwd(mid, seq), **proto).status_code == 200
+
+    def runnable_seqs():
+        with sessions() as s:
+            return [r.seq_id for r in queue.runnable(s) if r.model_id == mid]
+
+    for expected in (0, 1, 2):  # seq 0 is the model's creation
+        assert runnable_seqs() == [expected]
+        with sessions() as s:
+            req = s.scalar(select(Request).where(Request.model_id == mid, Request.seq_id == expected))
+            assert queue.claim(s, req, "w")
+            queue.finish(s, req.id, result=b"{}")
+    assert runnable_seqs() == []

@@ -184,6 +184,12 @@ def test_sampled_logprobs_equal_compute_logprobs_bit_for_bit(server):
     for seq in stops.sequences:
         text = tok.decode(seq.tokens)
         assert seq.stop_reason == "length" or text.endswith("5") or seq.tokens[-1] == tok.eos_token_id
+    five = tok.encode("5")[0]
+    id_stops = named.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=4,
+                            sampling_params=types.SamplingParams(max_tokens=6, stop=[five], seed=1)).result()
+    for seq in id_stops.sequences:  # a stop token id ends the sequence and is kept, like EOS
+        assert five not in seq.tokens[:-1]
+        assert seq.stop_reason == "length" or seq.tokens[-1] in (five, tok.eos_token_id)
 
 
 def test_save_and_load_state_round_trip_is_exact(server):
