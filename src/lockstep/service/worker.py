@@ -301,6 +301,8 @@ class Worker:
     def _sample(self, req):
         with self.sessions() as s:
             ss = s.get(SamplingSession, req.sampling_session_id)
+            if ss is None:  # the API checks it exists; only a row written behind its back lacks one
+                raise _UserError(f"unknown sampling_session_id {req.sampling_session_id!r}")
             base_path = self._base_path(s, ss.base_model)
         if not self._call(self.host.has_session.remote(ss.id)):
             self._call(self.host.open_session.remote(ss.id, base_path, ss.lora_config, ss.weights_path))
