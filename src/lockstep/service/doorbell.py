@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections import defaultdict
 
 from sqlalchemy import select
@@ -42,8 +43,6 @@ class AddressBook:
         self._at = -1e9
 
     def get(self) -> list:
-        import time
-
         if time.monotonic() - self._at > self.ttl_s:
             with self.sessions() as s:
                 self._addrs = addresses(s, self.role)

@@ -63,9 +63,6 @@ class EngineHost:
     def has_model(self, model_id: str) -> bool:
         return model_id in self.trainers
 
-    def drop_model(self, model_id: str) -> None:
-        self.trainers.pop(model_id, None)
-
     def _trainer(self, model_id: str):
         if model_id not in self.trainers:
             raise HostError(f"model {model_id} is not loaded")

@@ -336,6 +336,7 @@ class Worker:
                 self._call(self.host.forward_backward.remote(model.id, r.payload, False))
             elif kind is RequestKind.OPTIM_STEP:
                 self._call(self.host.optim_step.remote(model.id, json.loads(r.payload)["adam_params"]))
+        self.loaded.add(model.id)
 
 
 class _UserError(Exception):
