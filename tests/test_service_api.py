@@ -178,10 +178,10 @@ def test_model_quota_is_a_429_that_creates_nothing(api):
     client, sessions, key, _ = api
     from lockstep.service.db import Tenant
 
+    sid, _ = new_model(client, key)  # the key is now in the API's auth cache, with the old quota
     with sessions() as s:
         s.scalar(select(Tenant).where(Tenant.name == "alice")).max_models = 2
         s.commit()
-    sid, _ = new_model(client, key)
     post(client, "create_model", key, {"session_id": sid, "model_seq_id": 1, "base_model": "lockstep/tiny"})
     before = counts(sessions)
     r = post(client, "create_model", key, {"session_id": sid, "model_seq_id": 2, "base_model": "lockstep/tiny"})

@@ -104,6 +104,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
     app.state.instance = f"api-{uuid.uuid4().hex[:12]}"
     app.state.sock = doorbell.bind()
     app.state.workers = doorbell.AddressBook(sessions, "worker")
+    app.state.auth_cache = {}
 
     @app.exception_handler(ServiceError)
     async def _service_error(_req, e: ServiceError):
@@ -131,14 +132,27 @@ def db(request: Request):
     return request.app.state.sessions()
 
 
+AUTH_TTL_S = 5.0
+"""How long a verified key is trusted without a store read (a removed tenant's key lives this long)."""
+
+
 def tenant_of(request: Request) -> Tenant:
     """The caller's tenant, from X-API-Key (or a Bearer token, for the native job API)."""
     key = request.headers.get("x-api-key")
     auth = request.headers.get("authorization", "")
     if not key and auth.lower().startswith("bearer "):
         key = auth[7:].strip()
+    # Every SDK call is authenticated; a short cache takes a store read off each request's path.
+    cache: dict = request.app.state.auth_cache
+    hit = cache.get(key) if key else None
+    if hit is not None and hit[1] > time.monotonic():
+        return hit[0]
     with db(request) as s:
-        return authenticate(s, key)
+        tenant = authenticate(s, key)
+    if len(cache) > 10_000:
+        cache.clear()
+    cache[key] = (tenant, time.monotonic() + AUTH_TTL_S)
+    return tenant
 
 
 def ring_workers(request: Request) -> None:

@@ -159,8 +159,9 @@ def _new_model(s, t: Tenant, session_id: str, model_seq_id: int, base: BaseModel
     if existing is not None:
         return existing  # a retried creation: the queued request says the rest
     count = s.scalar(select(func.count()).select_from(Model).where(Model.tenant_id == t.id))
-    if count >= t.max_models:
-        raise QuotaExceeded(f"tenant {t.name!r} already has {count} models (quota {t.max_models})")
+    quota = s.scalar(select(Tenant.max_models).where(Tenant.id == t.id))  # fresh: `t` may come from the auth cache
+    if count >= quota:
+        raise QuotaExceeded(f"tenant {t.name!r} already has {count} models (quota {quota})")
     rank = lora.rank if lora is not None else 0
     if rank < 0 or rank > 1024:
         raise ServiceError(f"lora_config.rank must be in [0, 1024] (0: full fine-tuning), got {rank}")

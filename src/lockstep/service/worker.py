@@ -75,6 +75,8 @@ class Worker:
         self.apis = doorbell.AddressBook(self.sessions, "api")
         self.loaded: set[str] = set()
         """Models known to be in the host (cleared when the host restarts)."""
+        self.base_paths: dict[str, str] = {}
+        """Base model name -> directory; registered once and never changed, so read once."""
         self.host = None
         self.scheduler: Scheduler | None = None
         self._stop = False
@@ -191,10 +193,12 @@ class Worker:
         ray.get(self.host.ping.remote(), timeout=300)  # wait for Ray to restart it
 
     def _base_path(self, s, name: str) -> str:
-        entry = s.get(BaseModelEntry, name)
-        if entry is None:
-            raise _UserError(f"base model {name!r} is not registered on this worker")
-        return entry.path
+        if name not in self.base_paths:
+            entry = s.get(BaseModelEntry, name)
+            if entry is None:
+                raise _UserError(f"base model {name!r} is not registered on this worker")
+            self.base_paths[name] = entry.path
+        return self.base_paths[name]
 
     def execute(self, req: Request):
         """-> (result bytes, format, usage, store update to commit with the result or None)."""
