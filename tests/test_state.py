@@ -19,8 +19,9 @@ WORKER = str(Path(__file__).parent / "scripts" / "resume_worker.py")
 
 
 # Multi-threaded MKL sgemm is not run-to-run reproducible on every CPU, even in strict CNR mode: on a
-# 2-vCPU Sapphire Rapids Xeon, 1-2 of 10 identical fresh processes at 2 threads end with different
-# weights after 6 steps (0 of 20 with MKL_NUM_THREADS=1, which also equals the 2-thread majority). The
+# 2-vCPU Sapphire Rapids Xeon, 1-2 of 10 identical fresh processes at 2 threads ended with different
+# weights after 6 steps in one session (0 of 20 with MKL_NUM_THREADS=1, which also equals the 2-thread
+# majority), 0 of ~80 on the same kind of machine in a later one: intermittent, hence pinned. The
 # property under test is that resuming reproduces an uninterrupted run, so all three runs use one MKL
 # thread (ATen's own ops stay at 2); docs/architecture.md says the same for users.
 WORKER_ENV = {**os.environ, "MKL_NUM_THREADS": "1"}
