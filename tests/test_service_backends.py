@@ -92,7 +92,7 @@ def test_claims_are_exclusive_on_postgres(postgres_url):
 
     def claim(i):
         with sessions() as s:
-            wins.append(queue.claim(s, req, f"worker-{i}"))
+            wins.append(queue.claim(s, req, f"worker-{i}") is not None)
 
     threads = [threading.Thread(target=claim, args=(i,)) for i in range(8)]
     for t in threads:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from sqlalchemy import bindparam, select
 from starlette.concurrency import run_in_threadpool
 
 from lockstep.service import doorbell
@@ -159,15 +160,21 @@ def ring_workers(request: Request) -> None:
     doorbell.ring(request.app.state.sock, request.app.state.workers.get())
 
 
-def load_request(request: Request, tenant: Tenant, request_id: str) -> RequestRow:
+_R = RequestRow.__table__
+_RESULT = select(_R.c.id, _R.c.tenant_id, _R.c.state, _R.c.result, _R.c.result_format, _R.c.error,
+                 _R.c.error_category).where(_R.c.id == bindparam("rid"))
+"""A request's outcome; Core and built once, since every long-poll reads it (see queue.py)."""
+
+
+def load_request(request: Request, tenant: Tenant, request_id: str):
     with db(request) as s:
-        row = s.get(RequestRow, request_id)
+        row = s.execute(_RESULT, {"rid": request_id}).first()
         if row is None or row.tenant_id != tenant.id:
             raise NotFound(f"unknown request_id {request_id!r}")
         return row
 
 
-async def wait_for_result(request: Request, tenant: Tenant, request_id: str) -> RequestRow:
+async def wait_for_result(request: Request, tenant: Tenant, request_id: str):
     """Long-poll: the row once it is done or failed, or as it stands after poll_timeout_s."""
     cfg: ServiceConfig = request.app.state.config
     waiters: doorbell.Waiters = request.app.state.waiters
@@ -189,7 +196,7 @@ async def wait_for_result(request: Request, tenant: Tenant, request_id: str) -> 
             waiters.forget(request_id, ev)
 
 
-def result_response(row: RequestRow) -> Response:
+def result_response(row) -> Response:
     if row.state == RequestState.FAILED.value:
         return JSONResponse(error_body(row.error or "request failed", row.error_category or "server"))
     if row.state != RequestState.DONE.value:

@@ -4,95 +4,154 @@ The API submits and long-polls; workers claim and finish. Training requests of a
 in seq_id order: a worker only claims seq_id == done_seq + 1, so chunks that arrive out of order
 (the SDK posts the first chunk of a batch last) wait for their turn. Sampling requests carry no
 seq_id and are claimed in arrival order.
+
+Every SDK call passes through here three times, so the statements are Core, built once with bind
+parameters: ORM objects and per-call statement construction cost more CPU than the SQL itself, and
+on a small box that CPU is taken from the engine (BENCHMARKS.md §8).
 """
 
 from __future__ import annotations
 
 import hashlib
 import uuid
+from dataclasses import dataclass
 
-from sqlalchemy import and_, select, update
+from sqlalchemy import and_, bindparam, case, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from lockstep.service.db import Counter, Model, Request, now
 from lockstep.service.types import Conflict, RequestKind, RequestState
 
 TRAINING_KINDS = tuple(k.value for k in RequestKind if k is not RequestKind.SAMPLE)
+_R, _M, _C = Request.__table__, Model.__table__, Counter.__table__
+_QUEUED, _RUNNING = RequestState.QUEUED.value, RequestState.RUNNING.value
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A submitted request, as the API answers it."""
+
+    id: str
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A request a worker owns until it finishes it: what it needs to execute it."""
+
+    id: str
+    tenant_id: str
+    kind: str
+    model_id: str | None
+    seq_id: int | None
+    sampling_session_id: str | None
+    payload: bytes
+
+
+_BY_MODEL_SEQ = select(_R.c.id, _R.c.kind, _R.c.payload_sha).where(
+    _R.c.model_id == bindparam("mid"), _R.c.seq_id == bindparam("seq"))
+_NEXT_ORDER = (update(_C).where(_C.c.name == "requests").values(value=_C.c.value + 1).returning(_C.c.value))
+_INSERT = insert(_R)
+_RUNNABLE_TRAINING = (select(_R.c.id, _R.c.order, _R.c.model_id, _R.c.seq_id, _R.c.kind)
+                      .join(_M, _M.c.id == _R.c.model_id)
+                      .where(_R.c.state == _QUEUED, _R.c.kind.in_(TRAINING_KINDS), _R.c.seq_id == _M.c.done_seq + 1)
+                      .order_by(_R.c.order).limit(bindparam("n")))
+_RUNNABLE_SAMPLING = (select(_R.c.id, _R.c.order, _R.c.model_id, _R.c.seq_id, _R.c.kind)
+                      .where(_R.c.state == _QUEUED, _R.c.kind == RequestKind.SAMPLE.value)
+                      .order_by(_R.c.order).limit(bindparam("n")))
+_CLAIM = (update(_R).where(and_(_R.c.id == bindparam("rid"), _R.c.state == _QUEUED))
+          .values(state=_RUNNING, claimed_by=bindparam("worker"), claimed_at=bindparam("at"))
+          .returning(_R.c.id, _R.c.tenant_id, _R.c.kind, _R.c.model_id, _R.c.seq_id, _R.c.sampling_session_id,
+                     _R.c.payload))
+_FINISH = (update(_R).where(_R.c.id == bindparam("rid"))
+           .values(state=bindparam("st"), result=bindparam("res"), result_format=bindparam("fmt"),
+                   error=bindparam("err"), error_category=bindparam("cat"), finished_at=bindparam("at"))
+           .returning(_R.c.kind, _R.c.model_id, _R.c.seq_id))
+_ADVANCE = (update(_M).where(_M.c.id == bindparam("mid"))
+            .values(done_seq=case((_M.c.done_seq < bindparam("seq"), bindparam("seq")), else_=_M.c.done_seq),
+                    last_request_time=bindparam("at")))
 
 
 def _next_order(session) -> int:
-    counter = session.get(Counter, "requests", with_for_update=True)
-    if counter is None:
-        counter = Counter(name="requests", value=0)
-        session.add(counter)
-    counter.value += 1
-    return counter.value
+    value = session.execute(_NEXT_ORDER).scalar()
+    if value is not None:
+        return value
+    try:  # the store's first request; a savepoint, so losing the race to another API keeps our work
+        with session.begin_nested():
+            session.execute(insert(_C), {"name": "requests", "value": 1})
+        return 1
+    except IntegrityError:
+        return session.execute(_NEXT_ORDER).scalar()
 
 
 def submit(session, *, tenant_id: str, kind: RequestKind, payload: bytes, payload_format: str = "json",
            model_id: str | None = None, seq_id: int | None = None, sampling_session_id: str | None = None,
-           request_id: str | None = None) -> Request:
-    """Queue a request; a retry of the same (model_id, seq_id) with the same payload returns the
-    original request, a different payload is a 409."""
+           request_id: str | None = None) -> Queued:
+    """Queue a request and commit; a retry of the same (model_id, seq_id) with the same payload
+    returns the original request, a different payload is a 409."""
     sha = hashlib.sha256(payload).hexdigest()
-    if model_id is not None and seq_id is not None:
-        existing = session.scalar(select(Request).where(Request.model_id == model_id, Request.seq_id == seq_id))
+    keyed = model_id is not None and seq_id is not None
+    if keyed:
+        existing = session.execute(_BY_MODEL_SEQ, {"mid": model_id, "seq": seq_id}).first()
         if existing is not None:
             return _same_or_conflict(existing, kind, sha, model_id, seq_id)
-    req = Request(id=request_id or uuid.uuid4().hex, tenant_id=tenant_id, kind=kind.value, model_id=model_id,
-                  seq_id=seq_id, sampling_session_id=sampling_session_id, payload=payload,
-                  payload_format=payload_format, payload_sha=sha, order=_next_order(session))
-    session.add(req)
+    rid = request_id or uuid.uuid4().hex
     try:
+        session.execute(_INSERT, {"id": rid, "tenant_id": tenant_id, "kind": kind.value, "model_id": model_id,
+                                  "seq_id": seq_id, "sampling_session_id": sampling_session_id, "payload": payload,
+                                  "payload_format": payload_format, "payload_sha": sha, "state": _QUEUED,
+                                  "created_at": now(), "order": _next_order(session)})
         session.commit()
     except IntegrityError:  # a concurrent retry won the race
         session.rollback()
-        existing = session.scalar(select(Request).where(Request.model_id == model_id, Request.seq_id == seq_id))
+        if not keyed:
+            raise
+        existing = session.execute(_BY_MODEL_SEQ, {"mid": model_id, "seq": seq_id}).first()
         return _same_or_conflict(existing, kind, sha, model_id, seq_id)
-    return req
+    return Queued(rid)
 
 
-def _same_or_conflict(existing: Request, kind: RequestKind, sha: str, model_id, seq_id) -> Request:
+def _same_or_conflict(existing, kind: RequestKind, sha: str, model_id, seq_id) -> Queued:
     if existing.kind == kind.value and existing.payload_sha == sha:
-        return existing
+        return Queued(existing.id)
     raise Conflict(f"model {model_id} already has a different request with seq_id {seq_id}")
 
 
-def runnable(session, limit: int = 16) -> list[Request]:
-    """Queued requests that may run now: each model's next seq_id, and sampling requests."""
-    nxt = (select(Request).join(Model, Model.id == Request.model_id)
-           .where(Request.state == RequestState.QUEUED.value, Request.kind.in_(TRAINING_KINDS),
-                  Request.seq_id == Model.done_seq + 1)
-           .order_by(Request.order).limit(limit))
-    sampling = (select(Request).where(Request.state == RequestState.QUEUED.value,
-                                      Request.kind == RequestKind.SAMPLE.value)
-                .order_by(Request.order).limit(limit))
-    out = list(session.scalars(nxt)) + list(session.scalars(sampling))
+def runnable(session, limit: int = 16) -> list:
+    """Queued requests that may run now (id, order, model_id, seq_id, kind), in arrival order:
+    each model's next seq_id, and sampling requests."""
+    out = list(session.execute(_RUNNABLE_TRAINING, {"n": limit})) + list(session.execute(_RUNNABLE_SAMPLING,
+                                                                                           {"n": limit}))
     return sorted(out, key=lambda r: r.order)[:limit]
 
 
-def claim(session, req: Request, worker_id: str) -> bool:
-    """Atomically move a queued request to running for this worker; False if someone else did."""
-    res = session.execute(update(Request).where(and_(Request.id == req.id, Request.state == RequestState.QUEUED.value))
-                          .values(state=RequestState.RUNNING.value, claimed_by=worker_id, claimed_at=now()))
+def claim(session, req, worker_id: str) -> Claimed | None:
+    """Atomically move a queued request to running for this worker, and commit; None if someone
+    else did."""
+    row = session.execute(_CLAIM, {"rid": req.id, "worker": worker_id, "at": now()}).first()
     session.commit()
-    return res.rowcount == 1
+    return Claimed(**row._asdict()) if row is not None else None
+
+
+def claim_next(session, worker_id: str) -> Claimed | None:
+    """The first runnable request this worker wins, or None when nothing is runnable."""
+    for candidate in runnable(session):
+        won = claim(session, candidate, worker_id)
+        if won is not None:
+            return won
+    return None
 
 
 def finish(session, req_id: str, *, result: bytes | None = None, result_format: str = "json",
            error: str | None = None, category: str = "user") -> None:
     """Write a result (or an error) and, for a training request, advance its model's done_seq, in
     one transaction."""
-    req = session.get(Request, req_id)
-    req.state = (RequestState.FAILED if error is not None else RequestState.DONE).value
-    req.result, req.result_format = result, result_format
-    req.error, req.error_category = error, (category if error is not None else None)
-    req.finished_at = now()
-    if req.seq_id is not None and req.model_id is not None and req.kind != RequestKind.SAMPLE.value:
-        model = session.get(Model, req.model_id)
-        if model is not None:
-            model.done_seq = max(model.done_seq, req.seq_id)
-            model.last_request_time = now()
+    failed = error is not None
+    at = now()
+    row = session.execute(_FINISH, {"rid": req_id, "st": (RequestState.FAILED if failed else RequestState.DONE).value,
+                                    "res": result, "fmt": result_format, "err": error,
+                                    "cat": category if failed else None, "at": at}).first()
+    if row is not None and row.seq_id is not None and row.model_id is not None and row.kind != RequestKind.SAMPLE.value:
+        session.execute(_ADVANCE, {"mid": row.model_id, "seq": row.seq_id, "at": at})
     session.commit()
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
-from sqlalchemy import select
+from sqlalchemy import bindparam, insert, select
 
 from lockstep.service import doorbell, queue
 from lockstep.service.db import BaseModelEntry, Checkpoint, Model, Request, SamplingSession, Usage, connect, now
@@ -31,6 +31,9 @@ from lockstep.service.storage import Storage
 from lockstep.service.types import BUILTIN_MODEL, RequestKind, RequestState, ServiceError, UsageKind
 
 log = logging.getLogger("lockstep.worker")
+# Core, built once: these run on every request (see queue.py).
+_MODEL = select(Model.__table__).where(Model.__table__.c.id == bindparam("mid"))
+_INSERT_USAGE = insert(Usage.__table__)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,8 @@ def _safe(model_id: str) -> str:
 
 
 class Worker:
+    BATCH = 16
+
     def __init__(self, config: WorkerConfig):
         self.config = config
         self.id = f"worker-{uuid.uuid4().hex[:12]}"
@@ -138,20 +143,18 @@ class Worker:
                 pass
 
     def step(self) -> bool:
-        """Claim and run what is runnable now; False when there was nothing."""
-        with self.sessions() as s:
-            batch = queue.runnable(s)
-        did = False
-        for req in batch:
+        """Claim and run what is runnable now (up to a batch, so the scheduler still ticks under
+        load); False when there was nothing."""
+        for n in range(self.BATCH):
             with self.sessions() as s:
-                if not queue.claim(s, req, self.id):
-                    continue
-            did = True
+                req = queue.claim_next(s, self.id)
+            if req is None:
+                return n > 0
             self.run(req)
-        return did
+        return True
 
     # -- execution -------------------------------------------------------------------------------
-    def run(self, req: Request) -> None:
+    def run(self, req: queue.Claimed) -> None:
         t = time.perf_counter()
         try:
             result, fmt, usage, extra = self.execute(req)
@@ -175,18 +178,19 @@ class Worker:
         usage[UsageKind.COMPUTE_SECONDS] = time.perf_counter() - t
         self._finish(req, result=result, fmt=fmt, usage=usage, extra=extra)
 
-    def _finish(self, req: Request, *, result: bytes | None = None, fmt: str = "json", error: str | None = None,
+    def _finish(self, req: queue.Claimed, *, result: bytes | None = None, fmt: str = "json", error: str | None = None,
                 category: str = "user", usage: dict | None = None, extra=None) -> None:
         with self.sessions() as s:
             if extra is not None:
                 extra(s)
-            for kind, amount in (usage or {}).items():
-                if amount:
-                    s.add(Usage(tenant_id=req.tenant_id, kind=kind.value, amount=float(amount), source=req.id))
+            rows = [{"tenant_id": req.tenant_id, "kind": kind.value, "amount": float(amount), "source": req.id,
+                     "created_at": now()} for kind, amount in (usage or {}).items() if amount]
+            if rows:
+                s.execute(_INSERT_USAGE, rows)
             queue.finish(s, req.id, result=result, result_format=fmt, error=error, category=category)
         doorbell.ring(self.sock, self.apis.get(), req.id.encode())
 
-    def _host_lost(self, req: Request) -> None:
+    def _host_lost(self, req: queue.Claimed) -> None:
         self.loaded.clear()
         with self.sessions() as s:
             queue.requeue_abandoned(s, self.id)
@@ -200,13 +204,15 @@ class Worker:
             self.base_paths[name] = entry.path
         return self.base_paths[name]
 
-    def execute(self, req: Request):
+    def execute(self, req: queue.Claimed):
         """-> (result bytes, format, usage, store update to commit with the result or None)."""
         kind = RequestKind(req.kind)
         if kind is RequestKind.SAMPLE:
             return self._sample(req)
         with self.sessions() as s:
-            model = s.get(Model, req.model_id)
+            model = s.execute(_MODEL, {"mid": req.model_id}).first()
+            if model is None:  # the API checks it exists; only a row deleted behind its back lacks one
+                raise _UserError(f"unknown model_id {req.model_id!r}")
             base_path = self._base_path(s, model.base_model)
         if kind not in (RequestKind.CREATE_MODEL, RequestKind.LOAD_WEIGHTS) or req.seq_id != 0:
             self.ensure_model(model, base_path)
@@ -314,7 +320,7 @@ class Worker:
         return body, "proto", {UsageKind.TOKENS_SAMPLED: tokens}, None
 
     # -- recovery --------------------------------------------------------------------------------
-    def ensure_model(self, model: Model, base_path: str) -> None:
+    def ensure_model(self, model, base_path: str) -> None:
         """Rebuild a model the host does not hold: its durable state, then a replay of the
         finished requests after it that change the model."""
         if model.id in self.loaded or self._call(self.host.has_model.remote(model.id)):
