@@ -4,8 +4,10 @@
 
 1. forward_backward of one batch (8 datums x 24 tokens, LoRA rank 8 on the built-in model):
    `Trainer.forward_backward` in-process against `TrainingClient.forward_backward(...).result()`
-   through a live `lockstep serve` on loopback, alternating, medians and p90 of `--calls` each.
-2. `--clients` SDK clients, each with its own LoRA model, looping forward_backward + optim_step
+   through a live `lockstep serve` on loopback, alternating with a 50 ms pause before each call,
+   medians and p90 of `--calls` each.
+   Also where the SDK's time goes, from the store's timestamps (queued, claimed, finished).
+2. `--clients` SDK clients (0: skip), each with its own LoRA model, looping forward_backward + optim_step
    (and a 4-sample request every 5th step) for `--seconds`; errors, throughput, latency p50/p99.
 """
 
@@ -30,8 +32,15 @@ import numpy as np
 from common import emit
 
 
+SETTLE_S = 0.05
+
+
 def pct(xs, q):
     return float(np.percentile(np.asarray(xs), q))
+
+
+def db_url(home: Path) -> str:
+    return f"sqlite:///{home / 'db.sqlite'}"
 
 
 def start_server(home: Path) -> tuple[subprocess.Popen, str, dict]:
@@ -39,7 +48,7 @@ def start_server(home: Path) -> tuple[subprocess.Popen, str, dict]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "LOCKSTEP_HOME": str(home), "TINKER_TELEMETRY": "0", "PYTHONWARNINGS": "ignore"}
-    db = f"sqlite:///{home / 'db.sqlite'}"
+    db = db_url(home)
     keys = {}
     for i in range(2):
         out = subprocess.run([sys.executable, "-m", "lockstep.cli", "tenants", "create", f"t{i}", "--db", db, "--json",
@@ -70,7 +79,32 @@ def batch(tok, rng):
     return data
 
 
-def overhead(url, key, calls: int) -> dict:
+def stages(db_url: str, marks: list) -> dict:
+    """Where the SDK's time goes, from the store's timestamps of each forward_backward request
+    (set by the API at insert, by the worker at claim and at finish; same clock, same machine)."""
+    import datetime as dt
+
+    from sqlalchemy import select
+
+    from lockstep.service.db import Request, connect
+
+    _, sessions = connect(db_url)
+    with sessions() as s:
+        rows = list(s.execute(select(Request.created_at, Request.claimed_at, Request.finished_at)
+                              .where(Request.kind == "forward_backward").order_by(Request.order)))[-len(marks):]
+
+    def ts(d):
+        return d.replace(tzinfo=dt.timezone.utc).timestamp()
+
+    parts = {"post_to_queued": [], "queued_to_claimed": [], "claimed_to_finished": [], "finished_to_sdk": []}
+    for (t0, t1), r in zip(marks, rows):
+        c, cl, fi = ts(r.created_at), ts(r.claimed_at), ts(r.finished_at)
+        for name, v in zip(parts, (c - t0, cl - c, fi - cl, t1 - fi)):
+            parts[name].append(v)
+    return {f"{k}_p50_ms": 1e3 * statistics.median(v) for k, v in parts.items()}
+
+
+def overhead(url, key, calls: int, db_url: str) -> dict:
     import tinker
 
     from lockstep.engine.tiny import ensure_tiny_model
@@ -84,20 +118,25 @@ def overhead(url, key, calls: int) -> dict:
     data = batch(tc.get_tokenizer(), np.random.default_rng(0))
     engine_data = [Datum(tuple(d.model_input.to_ints()), {k: v.to_numpy() for k, v in d.loss_fn_inputs.items()})
                    for d in data]
-    sdk, inproc = [], []
+    sdk, inproc, marks = [], [], []
     for i in range(calls + 3):
+        # A pause before each timed call: the other call's OpenMP threads stop spinning first, so
+        # neither measurement runs beside the other's leftovers, and both start from the same idle.
+        time.sleep(SETTLE_S)
         t = time.perf_counter()
         local.forward_backward(engine_data, "cross_entropy")
         a = time.perf_counter() - t
-        t = time.perf_counter()
+        time.sleep(SETTLE_S)
+        t, wall = time.perf_counter(), time.time()
         tc.forward_backward(data, "cross_entropy").result()
         b = time.perf_counter() - t
         if i >= 3:  # warm-up
             inproc.append(a)
             sdk.append(b)
+            marks.append((wall, wall + b))
     return {"in_process_p50_ms": 1e3 * statistics.median(inproc), "sdk_p50_ms": 1e3 * statistics.median(sdk),
             "overhead_p50_ms": 1e3 * (statistics.median(sdk) - statistics.median(inproc)),
-            "in_process_p90_ms": 1e3 * pct(inproc, 90), "sdk_p90_ms": 1e3 * pct(sdk, 90)}
+            "in_process_p90_ms": 1e3 * pct(inproc, 90), "sdk_p90_ms": 1e3 * pct(sdk, 90), **stages(db_url, marks)}
 
 
 def concurrent(url, keys, clients: int, seconds: float) -> dict:
@@ -163,8 +202,8 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="lockstep-bench-"))
     proc, url, keys = start_server(home)
     try:
-        o = overhead(url, keys[0], a.calls)
-        c = concurrent(url, keys, a.clients, a.seconds)
+        o = overhead(url, keys[0], a.calls, db_url(home))
+        c = concurrent(url, keys, a.clients, a.seconds) if a.clients else {"first_errors": []}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
