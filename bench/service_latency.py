@@ -79,7 +79,7 @@ def batch(tok, rng):
     return data
 
 
-def stages(db_url: str, marks: list) -> dict:
+def stages(store: str, marks: list) -> dict:
     """Where the SDK's time goes, from the store's timestamps of each forward_backward request
     (set by the API at insert, by the worker at claim and at finish; same clock, same machine)."""
     import datetime as dt
@@ -88,7 +88,7 @@ def stages(db_url: str, marks: list) -> dict:
 
     from lockstep.service.db import Request, connect
 
-    _, sessions = connect(db_url)
+    _, sessions = connect(store)
     with sessions() as s:
         rows = list(s.execute(select(Request.created_at, Request.claimed_at, Request.finished_at)
                               .where(Request.kind == "forward_backward").order_by(Request.order)))[-len(marks):]
@@ -104,7 +104,7 @@ def stages(db_url: str, marks: list) -> dict:
     return {f"{k}_p50_ms": 1e3 * statistics.median(v) for k, v in parts.items()}
 
 
-def overhead(url, key, calls: int, db_url: str) -> dict:
+def overhead(url, key, calls: int, store: str) -> dict:
     import tinker
 
     from lockstep.engine.tiny import ensure_tiny_model
@@ -136,7 +136,7 @@ def overhead(url, key, calls: int, db_url: str) -> dict:
             marks.append((wall, wall + b))
     return {"in_process_p50_ms": 1e3 * statistics.median(inproc), "sdk_p50_ms": 1e3 * statistics.median(sdk),
             "overhead_p50_ms": 1e3 * (statistics.median(sdk) - statistics.median(inproc)),
-            "in_process_p90_ms": 1e3 * pct(inproc, 90), "sdk_p90_ms": 1e3 * pct(sdk, 90), **stages(db_url, marks)}
+            "in_process_p90_ms": 1e3 * pct(inproc, 90), "sdk_p90_ms": 1e3 * pct(sdk, 90), **stages(store, marks)}
 
 
 def concurrent(url, keys, clients: int, seconds: float) -> dict:

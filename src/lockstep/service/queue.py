@@ -98,8 +98,8 @@ def submit(session, *, tenant_id: str, kind: RequestKind, payload: bytes, payloa
     try:
         session.execute(_INSERT, {"id": rid, "tenant_id": tenant_id, "kind": kind.value, "model_id": model_id,
                                   "seq_id": seq_id, "sampling_session_id": sampling_session_id, "payload": payload,
-                                  "payload_format": payload_format, "payload_sha": sha, "state": _QUEUED,
-                                  "created_at": now(), "order": _next_order(session)})
+                                  "payload_format": payload_format, "payload_sha": sha,
+                                  "order": _next_order(session)})
         session.commit()
     except IntegrityError:  # a concurrent retry won the race
         session.rollback()

@@ -183,8 +183,8 @@ class Worker:
         with self.sessions() as s:
             if extra is not None:
                 extra(s)
-            rows = [{"tenant_id": req.tenant_id, "kind": kind.value, "amount": float(amount), "source": req.id,
-                     "created_at": now()} for kind, amount in (usage or {}).items() if amount]
+            rows = [{"tenant_id": req.tenant_id, "kind": kind.value, "amount": float(amount), "source": req.id}
+                    for kind, amount in (usage or {}).items() if amount]
             if rows:
                 s.execute(_INSERT_USAGE, rows)
             queue.finish(s, req.id, result=result, result_format=fmt, error=error, category=category)
