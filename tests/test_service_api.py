@@ -210,5 +210,5 @@ def test_training_requests_run_in_seq_order_whatever_order_they_arrive(api):
         with sessions() as s:
             req = s.scalar(select(Request).where(Request.model_id == mid, Request.seq_id == expected))
             assert queue.claim(s, req, "w")
-            queue.finish(s, req.id, result=b"{}")
+            assert queue.finish(s, req.id, "w", result=b"{}")
     assert runnable_seqs() == []

@@ -92,16 +92,19 @@ def test_claims_are_exclusive_on_postgres(postgres_url):
 
     def claim(i):
         with sessions() as s:
-            wins.append(queue.claim(s, req, f"worker-{i}") is not None)
+            if queue.claim(s, req, f"worker-{i}") is not None:
+                wins.append(f"worker-{i}")
 
     threads = [threading.Thread(target=claim, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert wins.count(True) == 1  # eight workers raced for it; one ran it
-    with sessions() as s:  # the database is the module's: leave no running request for the next test's worker
-        queue.finish(s, req.id, error="claimed by the race test")
+    assert len(wins) == 1  # eight workers raced for it; one ran it
+    with sessions() as s:  # only the winner may finish it
+        assert not queue.finish(s, req.id, "worker-none", error="not the claimant")
+        # the database is the module's: leave no running request for the next test's worker
+        assert queue.finish(s, req.id, wins[0], error="claimed by the race test")
 
 
 def test_sdk_session_on_postgres_and_s3(tmp_path, postgres_url, s3):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 import tinker
 from tinker import types
@@ -294,3 +295,50 @@ def test_restarts_mid_queue_lose_nothing_and_run_nothing_twice(tmp_path, builtin
         srv.stop()
     want = reference_logprobs(builtin_dir, data, steps=6, lr=1e-2, seed=5)
     assert all((a == b).all() for a, b in zip(got, want))  # every step applied exactly once
+
+
+def executor_of(worker: subprocess.Popen, old: int | None = None, timeout: float = 120) -> psutil.Process:
+    """The worker's Executor actor process (a grandchild, under Ray's raylet), other than `old`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in psutil.Process(worker.pid).children(recursive=True):
+            try:
+                if "RequestExecutor" in " ".join(p.cmdline()) and p.pid != old:
+                    return p
+            except psutil.NoSuchProcess:
+                pass
+        time.sleep(0.2)
+    raise AssertionError("no Executor actor process found under the worker")
+
+
+def test_executor_killed_alone_restarts_and_dies_with_its_supervisor(tmp_path, builtin_dir):
+    """Ray restarts a killed Executor: the request it held is requeued and every step still runs
+    exactly once. An Executor whose supervisor is killed exits instead of claiming on as an orphan."""
+    srv = make_server(tmp_path)
+    key = srv.key("erin")
+    srv.start(worker=False)
+    worker = srv.worker()
+    try:
+        tc = tinker.ServiceClient(base_url=srv.url, api_key=key).create_lora_training_client(
+            base_model="lockstep/tiny", rank=4, seed=5)
+        tok = tc.get_tokenizer()
+        data = [sft_datum(tok, f"{a}+{b}=", f"{a + b:02d}") for a in range(4) for b in range(4)]
+        futures = []
+        for _ in range(6):
+            futures.append(tc.forward_backward(data, "cross_entropy"))
+            futures.append(tc.optim_step(types.AdamParams(learning_rate=1e-2)))
+        first = executor_of(worker)
+        futures[3].result()  # two steps done, the rest queued or running
+        first.kill()
+        for f in futures:
+            f.result()
+        got = logprobs(tc.forward(data, "cross_entropy").result())
+        second = executor_of(worker, old=first.pid)  # Ray restarted it
+        os.killpg(worker.pid, signal.SIGKILL)  # the supervisor and Ray's GCS and raylet; the actor has its own group
+        worker.wait()
+        gone, _ = psutil.wait_procs([second], timeout=3)
+        assert gone, "the Executor outlived its supervisor"
+    finally:
+        srv.stop()
+    want = reference_logprobs(builtin_dir, data, steps=6, lr=1e-2, seed=5)
+    assert all((a == b).all() for a, b in zip(got, want))

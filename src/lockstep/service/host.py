@@ -1,6 +1,7 @@
-"""The engine host: a Ray actor that holds trainers and samplers and executes queued requests.
+"""The engine host: holds trainers and samplers and executes queued requests, inside the worker's
+Executor actor (one process: the claim loop calls it directly, no Ray hop per request).
 
-It knows nothing of the store: the worker hands it a request (kind, payload, what the store says
+It knows nothing of the store: the executor hands it a request (kind, payload, what the store says
 about the model or sampling session) and writes back what it returns. Weights it must keep across
 restarts (named saves, ephemeral sampler snapshots, a model's durable state) go to storage.
 Sampling sessions share one model skeleton per (base model, LoRA shape): before a batch, the
@@ -13,10 +14,8 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
-import ray
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -40,7 +39,6 @@ def lora_spec(cfg: dict | None):
     return LoraSpec(rank=int(cfg["rank"]), alpha=float(cfg["rank"]), target_modules=targets, seed=int(cfg.get("seed") or 0))
 
 
-@ray.remote
 class EngineHost:
     def __init__(self, storage_url: str, cache_dir: str, threads: int):
         import torch
@@ -54,14 +52,13 @@ class EngineHost:
         self.trainers: dict = {}
         self.skeletons: dict = {}
         self.sessions: dict = {}
-        self.started = time.time()
-
-    def ping(self) -> float:
-        return self.started
 
     # -- models ----------------------------------------------------------------------------------
     def has_model(self, model_id: str) -> bool:
         return model_id in self.trainers
+
+    def drop_model(self, model_id: str) -> None:
+        self.trainers.pop(model_id, None)
 
     def _trainer(self, model_id: str):
         if model_id not in self.trainers:

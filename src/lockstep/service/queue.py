@@ -16,10 +16,12 @@ import hashlib
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import and_, bindparam, case, insert, select, update
+import datetime as dt
+
+from sqlalchemy import and_, bindparam, case, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
-from lockstep.service.db import Counter, Model, Request, now
+from lockstep.service.db import Counter, Endpoint, Model, Request, now
 from lockstep.service.types import Conflict, RequestKind, RequestState
 
 TRAINING_KINDS = tuple(k.value for k in RequestKind if k is not RequestKind.SAMPLE)
@@ -62,7 +64,9 @@ _CLAIM = (update(_R).where(and_(_R.c.id == bindparam("rid"), _R.c.state == _QUEU
           .values(state=_RUNNING, claimed_by=bindparam("worker"), claimed_at=bindparam("at"))
           .returning(_R.c.id, _R.c.tenant_id, _R.c.kind, _R.c.model_id, _R.c.seq_id, _R.c.sampling_session_id,
                      _R.c.payload))
-_FINISH = (update(_R).where(_R.c.id == bindparam("rid"))
+# Fenced: only the claimant of a still-running request finishes it, so an executor whose claim was
+# requeued behind its back (it outlived its lease) cannot write a result the requeued run also writes.
+_FINISH = (update(_R).where(_R.c.id == bindparam("rid"), _R.c.state == _RUNNING, _R.c.claimed_by == bindparam("worker"))
            .values(state=bindparam("st"), result=bindparam("res"), result_format=bindparam("fmt"),
                    error=bindparam("err"), error_category=bindparam("cat"), finished_at=bindparam("at"))
            .returning(_R.c.kind, _R.c.model_id, _R.c.seq_id))
@@ -141,18 +145,24 @@ def claim_next(session, worker_id: str) -> Claimed | None:
     return None
 
 
-def finish(session, req_id: str, *, result: bytes | None = None, result_format: str = "json",
-           error: str | None = None, category: str = "user") -> None:
+def finish(session, req_id: str, worker_id: str, *, result: bytes | None = None, result_format: str = "json",
+           error: str | None = None, category: str = "user") -> bool:
     """Write a result (or an error) and, for a training request, advance its model's done_seq, in
-    one transaction."""
+    one transaction with whatever the session already holds. False (and rolled back) if the request
+    is no longer this worker's: it was requeued."""
     failed = error is not None
     at = now()
-    row = session.execute(_FINISH, {"rid": req_id, "st": (RequestState.FAILED if failed else RequestState.DONE).value,
+    row = session.execute(_FINISH, {"rid": req_id, "worker": worker_id,
+                                    "st": (RequestState.FAILED if failed else RequestState.DONE).value,
                                     "res": result, "fmt": result_format, "err": error,
                                     "cat": category if failed else None, "at": at}).first()
-    if row is not None and row.seq_id is not None and row.model_id is not None and row.kind != RequestKind.SAMPLE.value:
+    if row is None:
+        session.rollback()
+        return False
+    if row.seq_id is not None and row.model_id is not None and row.kind != RequestKind.SAMPLE.value:
         session.execute(_ADVANCE, {"mid": row.model_id, "seq": row.seq_id, "at": at})
     session.commit()
+    return True
 
 
 def requeue_abandoned(session, worker_id: str | None = None) -> int:
@@ -162,5 +172,18 @@ def requeue_abandoned(session, worker_id: str | None = None) -> int:
     if worker_id is not None:
         q = q.where(Request.claimed_by == worker_id)
     res = session.execute(q.values(state=RequestState.QUEUED.value, claimed_by=None, claimed_at=None))
+    session.commit()
+    return res.rowcount
+
+
+def requeue_expired(session, lease_s: float) -> int:
+    """Running requests whose claimant has not renewed its lease (its endpoint's last_seen) for
+    `lease_s` seconds go back to the queue: it died mid-request after the start-up requeue."""
+    live = select(Endpoint.id).where(Endpoint.role == "worker",
+                                     Endpoint.last_seen >= now() - dt.timedelta(seconds=lease_s))
+    res = session.execute(update(Request)
+                          .where(Request.state == RequestState.RUNNING.value,
+                                 or_(Request.claimed_by.is_(None), Request.claimed_by.not_in(live)))
+                          .values(state=RequestState.QUEUED.value, claimed_by=None, claimed_at=None))
     session.commit()
     return res.rowcount
