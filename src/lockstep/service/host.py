@@ -16,7 +16,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 

@@ -12,13 +12,12 @@ on a small box that CPU is taken from the engine (BENCHMARKS.md §8).
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import uuid
 from dataclasses import dataclass
 
-import datetime as dt
-
-from sqlalchemy import and_, bindparam, case, insert, or_, select, update
+from sqlalchemy import and_, bindparam, case, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from lockstep.service.db import Counter, Endpoint, Model, Request, now
@@ -168,12 +167,7 @@ def finish(session, req_id: str, worker_id: str, *, result: bytes | None = None,
 def requeue_abandoned(session, worker_id: str | None = None) -> int:
     """Running requests of a dead worker (or of any worker, at start-up) go back to the queue;
     the worker restores model state first, so nothing is applied twice (see worker.recover)."""
-    q = update(Request).where(Request.state == RequestState.RUNNING.value)
-    if worker_id is not None:
-        q = q.where(Request.claimed_by == worker_id)
-    res = session.execute(q.values(state=RequestState.QUEUED.value, claimed_by=None, claimed_at=None))
-    session.commit()
-    return res.rowcount
+    return _requeue(session, *(() if worker_id is None else (Request.claimed_by == worker_id,)))
 
 
 def requeue_expired(session, lease_s: float) -> int:
@@ -181,9 +175,11 @@ def requeue_expired(session, lease_s: float) -> int:
     `lease_s` seconds go back to the queue: it died mid-request after the start-up requeue."""
     live = select(Endpoint.id).where(Endpoint.role == "worker",
                                      Endpoint.last_seen >= now() - dt.timedelta(seconds=lease_s))
-    res = session.execute(update(Request)
-                          .where(Request.state == RequestState.RUNNING.value,
-                                 or_(Request.claimed_by.is_(None), Request.claimed_by.not_in(live)))
+    return _requeue(session, Request.claimed_by.not_in(live))
+
+
+def _requeue(session, *where) -> int:
+    res = session.execute(update(Request).where(Request.state == RequestState.RUNNING.value, *where)
                           .values(state=RequestState.QUEUED.value, claimed_by=None, claimed_at=None))
     session.commit()
     return res.rowcount

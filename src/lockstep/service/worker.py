@@ -26,10 +26,11 @@ from pathlib import Path
 import psutil
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import bindparam, insert, select
 
 from lockstep.service import doorbell, queue
-from lockstep.service.db import BaseModelEntry, Checkpoint, Endpoint, Model, Request, SamplingSession, Usage, connect, now
+from lockstep.service.db import BaseModelEntry, Checkpoint, Model, Request, SamplingSession, Usage, connect, now
+from lockstep.service.host import EngineHost, HostError
 from lockstep.service.scheduler import SLOT, Scheduler, adopt_orphans
 from lockstep.service.storage import Storage
 from lockstep.service.types import BUILTIN_MODEL, RequestKind, RequestState, ServiceError, UsageKind
@@ -161,16 +162,12 @@ class RequestExecutor:
     """A claim whose executor has not renewed its endpoint's last_seen for this long is requeued."""
 
     def __init__(self, config: WorkerConfig, worker_id: str, supervisor_pid: int):
-        from lockstep.service.host import EngineHost
-
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.config, self.id = config, worker_id
-        self.engine, self.sessions = connect(config.db_url)
+        _, self.sessions = connect(config.db_url)
         self.storage = Storage(config.storage_url)
         self.sock = doorbell.bind()
         self.apis = doorbell.AddressBook(self.sessions, "api")
-        self.loaded: set[str] = set()
-        """Models known to be in the host (empty after a restart: they are rebuilt on their next request)."""
         self.base_paths: dict[str, str] = {}
         """Base model name -> directory; registered once and never changed, so read once."""
         self.host = EngineHost(config.storage_url, str(Path(config.home) / "cache"),
@@ -205,8 +202,7 @@ class RequestExecutor:
     def _heartbeat(self) -> None:
         try:
             with self.sessions() as s:
-                s.execute(update(Endpoint).where(Endpoint.id == self.id).values(last_seen=now()))
-                s.commit()
+                doorbell.register(s, "worker", self.id, self.sock)  # renews last_seen, the lease
         except Exception as e:  # noqa: BLE001 - a store hiccup; the next beat retries, the lease is long
             log.warning("heartbeat failed: %s", e)
 
@@ -255,8 +251,6 @@ class RequestExecutor:
 
     # -- execution -------------------------------------------------------------------------------
     def run(self, req: queue.Claimed) -> None:
-        from lockstep.service.host import HostError
-
         t = time.perf_counter()
         try:
             result, fmt, usage, extra = self.execute(req)
@@ -282,14 +276,10 @@ class RequestExecutor:
             mine = queue.finish(s, req.id, self.id, result=result, result_format=fmt, error=error, category=category)
         if not mine:  # requeued behind our back: its effect on the model in memory is not the store's
             log.warning("request %s was requeued while it ran here; its result is dropped", req.id)
-            self._forget(req.model_id)
+            if req.model_id is not None:
+                self.host.drop_model(req.model_id)
             return
         doorbell.ring(self.sock, self.apis.get(), req.id.encode())
-
-    def _forget(self, model_id: str | None) -> None:
-        if model_id is not None:
-            self.loaded.discard(model_id)
-            self.host.drop_model(model_id)
 
     def _base_path(self, s, name: str) -> str:
         if name not in self.base_paths:
@@ -316,14 +306,11 @@ class RequestExecutor:
     def _create_model(self, req, model, base_path):
         payload = json.loads(req.payload)
         out = self.host.create_model(model.id, base_path, payload.get("lora_config"))
-        self.loaded.add(model.id)
         return json.dumps(out).encode(), "json", {}, None
 
     def _load_weights(self, req, model, base_path):
         p = json.loads(req.payload)
-        self.host.restore_state(model.id, base_path, model.lora_config, p["storage_path"],
-                                                  bool(p.get("optimizer")))
-        self.loaded.add(model.id)
+        self.host.restore_state(model.id, base_path, model.lora_config, p["storage_path"], bool(p.get("optimizer")))
         return json.dumps({"path": p["path"], "model_id": model.id, "type": "load_weights"}).encode(), "json", {}, None
 
     def _forward_backward(self, req, model, base_path, forward_only: bool = False):
@@ -415,8 +402,7 @@ class RequestExecutor:
     def ensure_model(self, model, base_path: str) -> None:
         """Rebuild a model the host does not hold: its durable state, then a replay of the
         finished requests after it that change the model."""
-        if model.id in self.loaded or self.host.has_model(model.id):
-            self.loaded.add(model.id)
+        if self.host.has_model(model.id):
             return
         after = -1
         if model.state_path:
@@ -438,7 +424,6 @@ class RequestExecutor:
                 self.host.forward_backward(model.id, r.payload, False)
             elif kind is RequestKind.OPTIM_STEP:
                 self.host.optim_step(model.id, json.loads(r.payload)["adam_params"])
-        self.loaded.add(model.id)
 
 
 # Decorated here, not on the class: Ray then pickles the class by reference (its module is
