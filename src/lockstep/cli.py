@@ -239,6 +239,7 @@ def _job_url(base: str, job: str, tail: str = "") -> str:
 
 
 def _cmd_jobs(args) -> int:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
@@ -247,14 +248,16 @@ def _cmd_jobs(args) -> int:
     if args.json:
         print(json.dumps(jobs))
         return 0
-    table = Table(title="jobs")
-    table.add_column("id", no_wrap=True, min_width=16)  # whole: `lockstep logs ID` takes it (or a prefix)
-    for col in ("name", "state", "priority", "attempts", "final accuracy", "created"):
-        table.add_column(col)
+    # Fits 80 columns with whole ids (what `lockstep logs ID` takes; any unique prefix works too).
+    table = Table(title="jobs", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    table.add_column("id", no_wrap=True, min_width=16)
+    table.add_column("name", overflow="fold")
+    for col in ("state", "priority", "tries", "accuracy", "created (UTC)"):
+        table.add_column(col, no_wrap=True)
     for j in jobs:
         acc = (j.get("summary") or {}).get("eval_accuracy_final")
         table.add_row(j["id"], j["name"], j["state"], j["priority"], str(j["attempts"]),
-                      "" if acc is None else f"{acc:.3f}", j["created_at"][:19])
+                      "" if acc is None else f"{acc:.3f}", j["created_at"][5:16].replace("T", " "))
     Console().print(table)
     return 0
 
