@@ -29,7 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from sqlalchemy import select
+
 from lockstep.config.types import RunSpec
+from lockstep.service.db import BaseModelEntry, Dataset, Job
 from lockstep.service.types import JobState, ServiceError, check_loss
 
 MiB = 1024 * 1024
@@ -295,8 +298,6 @@ class Inputs:
 def resolve(s, tenant_id: str, d: dict) -> Inputs:
     """Resolve a checked spec dict's references for `tenant_id`; another tenant's object is
     reported exactly like a missing one."""
-    from lockstep.service.db import BaseModelEntry, Dataset, Job
-
     path = d["model"]["path"]
     if path == "builtin":
         kind, model = "builtin", ""
@@ -308,7 +309,7 @@ def resolve(s, tenant_id: str, d: dict) -> Inputs:
     else:
         entry = s.get(BaseModelEntry, path)
         if entry is None:
-            names = sorted(s.scalars(_base_names()))
+            names = sorted(s.scalars(select(BaseModelEntry.name)))
             raise ServiceError(f"spec: model.path {path[:100]!r} is not a registered base model ({names}), 'builtin' "
                                f"or job:<id> of one of your succeeded jobs")
         kind, model = "base", entry.path
@@ -320,14 +321,6 @@ def resolve(s, tenant_id: str, d: dict) -> Inputs:
                 raise ServiceError(f"spec: {f}: you have no dataset {value!r} (upload one with POST /v1/datasets)")
             datasets[value] = ds.storage_key
     return Inputs(kind, model, datasets)
-
-
-def _base_names():
-    from sqlalchemy import select
-
-    from lockstep.service.db import BaseModelEntry
-
-    return select(BaseModelEntry.name)
 
 
 def final_model_key(tenant_id: str, job_id: str) -> str:
