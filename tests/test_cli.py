@@ -22,15 +22,18 @@ def test_cli_surface_is_frozen():
         "check consistency --help/-h", "check consistency --model", "check consistency --json",
         "check consistency --seed", "check consistency --max-tokens",
         "serve --help/-h", "serve --host", "serve --port", "serve --db", "serve --storage", "serve --model",
-        "serve --ray-address", "serve --no-worker", "serve --max-body-mb", "serve --job-slots",
+        "serve --ray-address", "serve --no-worker", "serve --max-body-mb", "serve --job-slots", "serve --policy",
         "worker --help/-h", "worker --db", "worker --storage", "worker --model", "worker --ray-address",
-        "worker --persist-every", "worker --job-slots",
+        "worker --persist-every", "worker --job-slots", "worker --policy",
         "tenants --help/-h", "tenants create --help/-h", "tenants create --db", "tenants create --json",
         "tenants create --max-jobs", "tenants create --max-models",
         "submit --help/-h", "submit --name", "submit --priority", "submit --max-attempts", "submit --server",
         "submit --api-key", "submit --json",
         "jobs --help/-h", "jobs --server", "jobs --api-key", "jobs --json",
-        "logs --help/-h", "logs --follow/-f", "logs --server", "logs --api-key", "logs --json",
+        "logs --help/-h", "logs --follow/-f", "logs --server", "logs --api-key", "logs --json", "logs --output",
+        "job --help/-h", "job --server", "job --api-key", "job --json",
+        "cancel --help/-h", "cancel --server", "cancel --api-key", "cancel --json",
+        "dataset --help/-h", "dataset --name", "dataset --server", "dataset --api-key", "dataset --json",
     }
 
 

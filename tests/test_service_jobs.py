@@ -1,8 +1,12 @@
-"""Native jobs: submit / jobs / logs from the CLI, artifacts, retries, cancel, quotas, and a
-reserved job preempting a preemptible one, which resumes from its checkpoint afterwards."""
+"""Native jobs: submit / jobs / logs from the CLI, artifacts, datasets and a job's own final model
+as inputs, retries, errors and logs, cancel, quotas, the wall-clock cap, job processes ending with
+their worker, and a reserved job preempting a preemptible one, which resumes from its checkpoint
+afterwards."""
 
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -10,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from lockstep.runtime.ledger import audit
@@ -20,21 +25,27 @@ SMALL = ["stages.0.steps=4", "stages.0.batch_size=16", "stages.0.eval_every=2", 
          "env.num_heldout=8", "env.pass_k=0"]
 
 
+WALL_CAP_S = 12
+"""The "capped" tenant's max_wall_seconds in this module's policy."""
+
+
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    srv = make_server(tmp_path_factory.mktemp("jobs"))
-    srv.keys = {"alice": srv.key("alice"), "bob": srv.key("bob")}
+    tmp = tmp_path_factory.mktemp("jobs")
+    srv = make_server(tmp)
+    srv.keys = {"alice": srv.key("alice"), "bob": srv.key("bob"), "capped": srv.key("capped")}
     out = subprocess.run([sys.executable, "-m", "lockstep.cli", "tenants", "create", "solo", "--db", srv.db, "--json",
                           "--max-jobs", "1"], check=True, capture_output=True, text=True, env=srv.env).stdout
     srv.keys["solo"] = json.loads(out.strip().splitlines()[-1])["api_key"]
     srv.home_jobs = Path(srv.env["LOCKSTEP_HOME"]) / "service" / "worker" / "jobs"
-    srv.start("--job-slots", "2")
+    (tmp / "policy.toml").write_text(f"[tenants.capped]\nmax_wall_seconds = {WALL_CAP_S}\n")
+    srv.start("--job-slots", "2", "--policy", str(tmp / "policy.toml"))
     yield srv
     srv.stop()
 
 
-def cli(service, tenant, *args, check=True):
-    env = {**service.env, "LOCKSTEP_SERVER": service.url, "LOCKSTEP_API_KEY": service.keys[tenant]}
+def cli(service, tenant, *args, check=True, **env_extra):
+    env = {**service.env, "LOCKSTEP_SERVER": service.url, "LOCKSTEP_API_KEY": service.keys[tenant], **env_extra}
     r = subprocess.run([sys.executable, "-m", "lockstep.cli", *args], capture_output=True, text=True, env=env,
                        timeout=600)
     if check:
@@ -75,11 +86,15 @@ def events(service, tenant, job_id):
 
 def test_a_job_runs_streams_and_serves_its_artifacts(service):
     job_id = submit(service, "alice", name="first")
-    logs = cli(service, "alice", "logs", job_id, "-f")  # follows until the job ends
+    logs = cli(service, "alice", "logs", job_id[:7], "-f")  # a unique prefix; follows until the job ends
     assert "job ended: succeeded" in logs.stdout and "step 7:" in logs.stdout and "reward=" in logs.stdout
     listed = json.loads(cli(service, "alice", "jobs", "--json").stdout)
     job = next(j for j in listed if j["id"] == job_id)
     assert job["state"] == "succeeded" and job["attempts"] == 1 and job["summary"]["steps"] == 7
+    table = cli(service, "alice", "jobs", COLUMNS="80").stdout  # a terminal of 80 columns
+    assert job_id in table and max(len(line) for line in table.splitlines()) <= 80, table
+    detail = cli(service, "alice", "job", job_id[:5]).stdout
+    assert f"id: {job_id}" in detail and "state: succeeded" in detail
     assert "<img" in api(service, "alice", "GET", f"jobs/{job_id}/artifacts/report.html").text
     tar = tarfile.open(fileobj=io.BytesIO(api(service, "alice", "GET", f"jobs/{job_id}/artifacts/final_model.tar").content))
     assert {"final_model/config.json", "final_model/model.safetensors"} <= set(tar.getnames())
@@ -98,12 +113,103 @@ def test_bad_specs_are_refused_before_anything_is_stored(service):
     assert len(api(service, "alice", "GET", "jobs").json()["jobs"]) == before
 
 
-def test_a_failing_job_is_retried_with_backoff_then_fails(service):
-    r = api(service, "alice", "POST", "jobs", json={"spec": {"env": {"name": "no_such_module:make"}}, "max_attempts": 2})
+def upload(service, tenant, tmp_path, rows, name="rows.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = cli(service, tenant, "dataset", "upload", str(path), "--json").stdout
+    return json.loads(out.strip().splitlines()[-1])["id"]
+
+
+def test_a_failing_job_is_retried_with_backoff_then_fails_with_a_message(service, tmp_path):
+    ds = upload(service, "alice", tmp_path, [{"question": f"{i}+1", "result": i + 1} for i in range(20)])
+    spec = {"env": {"name": "math", "path": ds, "num_heldout": 4}}  # rows lack the fields the suite reads
+    r = api(service, "alice", "POST", "jobs", json={"spec": spec, "max_attempts": 2})
     job = wait_state(service, "alice", r.json()["id"], ("failed",), timeout=240)
-    assert job["attempts"] == 2 and "cannot import module 'no_such_module'" in job["error"]
     states = [d["state"] for k, d in events(service, "alice", job["id"]) if k == "state"]
-    assert states == ["queued", "running", "queued", "running", "failed"]
+    assert states == ["queued", "running", "queued", "running", "failed"] and job["attempts"] == 2
+    assert job["error"].startswith("attempt 2 exited with code 2: env: inputs/") and "no usable rows" in job["error"]
+    assert "Traceback" not in job["error"] and str(service.home_jobs) not in job["error"], job["error"]
+    out = cli(service, "alice", "logs", job["id"], "--output").stdout  # the attempt's whole output
+    assert "no usable rows" in out and str(service.home_jobs) not in out
+    first = api(service, "alice", "GET", f"jobs/{job['id']}/logs", params={"attempt": 1})
+    assert first.status_code == 200 and "no usable rows" in first.text
+    assert api(service, "bob", "GET", f"jobs/{job['id']}/logs").status_code == 404
+
+
+def test_a_job_trains_on_a_dataset_from_a_final_model_of_its_tenant(service, tmp_path):
+    """Inputs are references the worker resolves: the tenant's uploaded dataset, and its own
+    earlier job's final model (copied into the new job's directory, never read by a client path)."""
+    base = submit(service, "alice", "rl.steps=1", name="base")
+    wait_state(service, "alice", base, ("succeeded",))
+    rows = [{"problem": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(4)]
+    ds = upload(service, "alice", tmp_path, rows)
+    job = submit(service, "alice", f'model.path="job:{base}"', "env.name=math", f'env.path="{ds}"', name="chained")
+    done = wait_state(service, "alice", job, ("succeeded", "failed"))
+    assert done["state"] == "succeeded", done["error"]
+    inputs = service.home_jobs / job / "inputs"
+    assert (inputs / "model" / "config.json").is_file() and (inputs / f"{ds}.jsonl").read_text().count("\n") == 40
+    config = json.loads(api(service, "alice", "GET", f"jobs/{job}/artifacts/config.json").text)
+    assert config["model"]["path"] == str(inputs / "model") and config["env"]["path"] == str(inputs / f"{ds}.jsonl")
+    r = api(service, "bob", "POST", "jobs", json={"spec": {"model": {"path": f"job:{base}"}}})
+    assert r.status_code == 400 and "none of your succeeded jobs" in r.json()["error"]
+
+
+def job_processes(home: str, job_id: str) -> list[psutil.Process]:
+    """The job's `lockstep run` and the Ray actors of the only job on that server's Ray."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or ())
+            if f"jobs/{job_id}/" in cmd or (cmd.startswith("ray::") and any(
+                    a in cmd for a in ("TrainerActor", "GeneratorActor", "EnvWorker"))
+                    and p.environ().get("LOCKSTEP_HOME") == home):
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def gone(procs, timeout: float) -> list[psutil.Process]:
+    deadline = time.time() + timeout
+    alive = procs
+    while alive and time.time() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    return alive
+
+
+def test_the_wall_clock_cap_stops_and_fails_a_job(service):
+    job_id = submit(service, "capped", "rl.steps=400", name="endless")
+    running = wait_state(service, "capped", job_id, ("running",))
+    procs = job_processes(service.env["LOCKSTEP_HOME"], job_id)
+    assert procs, "the job's process was not found"
+    job = wait_state(service, "capped", job_id, ("failed",), timeout=WALL_CAP_S + 120)
+    assert job["attempts"] == 1 and f"over this server's cap max_wall_seconds = {WALL_CAP_S}" in job["error"]
+    assert WALL_CAP_S <= job["run_seconds"] < WALL_CAP_S + 10, (running, job)
+    assert [d["state"] for k, d in events(service, "capped", job_id) if k == "state"] == ["queued", "running", "failed"]
+    assert gone(procs, 10) == []
+
+
+def test_job_processes_end_with_their_worker(tmp_path):
+    """kill -9 of the worker: its job's `lockstep run` and that run's Ray actors are gone within seconds."""
+    srv = make_server(tmp_path)
+    srv.keys = {"alice": srv.key("alice")}
+    serve = srv.start()
+    try:
+        job_id = submit(srv, "alice", "rl.steps=400", name="orphan")
+        deadline = time.time() + 300
+        while not [d for k, d in events(srv, "alice", job_id) if k == "metrics"]:  # the actors are up
+            assert time.time() < deadline, "the job did not get going"
+            time.sleep(0.5)
+        procs = job_processes(srv.env["LOCKSTEP_HOME"], job_id)
+        names = [" ".join(p.cmdline()) for p in procs]
+        assert any("lockstep.cli run" in n for n in names) and any("TrainerActor" in n for n in names), names
+        worker = next(p for p in psutil.Process(serve.pid).children() if "worker" in p.cmdline())
+        os.kill(worker.pid, signal.SIGKILL)
+        alive = gone(procs, 15)
+        assert alive == [], [(p.pid, p.cmdline()[:3]) for p in alive]
+    finally:
+        srv.stop()
 
 
 def test_cancel_and_the_concurrent_jobs_quota(service):

@@ -62,9 +62,33 @@ def _load_spec(args):
     return spec
 
 
+def _exit_with_supervisor() -> None:
+    """Under the job service ($LOCKSTEP_SUPERVISOR_PID set by its scheduler): end this run's
+    process group as soon as the worker that started it is gone. By polling the parent rather than
+    PR_SET_PDEATHSIG, which fires when the forking *thread* ends and is Linux-only."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from lockstep.service.scheduler import SUPERVISOR_ENV
+
+    supervisor = os.environ.get(SUPERVISOR_ENV, "")
+    if not supervisor.isdigit():
+        return
+
+    def watch():
+        while os.getppid() == int(supervisor):
+            time.sleep(0.25)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="supervisor-watchdog").start()
+
+
 def _cmd_run(args) -> int:
     import time
 
+    _exit_with_supervisor()
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -108,19 +132,40 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def _load_policy(path: str | None):
+    """The operator's job policy (service/policy.py), also handed to the worker's scheduler via
+    $LOCKSTEP_POLICY; without --policy, the safe defaults."""
+    import os
+
+    from lockstep.service.policy import POLICY_ENV, Policy, PolicyError
+
+    if not path:
+        os.environ.pop(POLICY_ENV, None)
+        return Policy()
+    try:
+        policy = Policy.load(path)
+    except PolicyError as e:
+        raise SystemExit(f"error: --policy: {e}") from None
+    os.environ[POLICY_ENV] = str(Path(path).resolve())
+    return policy
+
+
 def _cmd_serve(args) -> int:
     from lockstep.service.serve import default_db, default_storage, parse_models, run_api
 
+    policy = _load_policy(args.policy)
     worker = None if args.no_worker else [*(f"--model={m}" for m in args.model or ()), "--job-slots", str(args.job_slots),
-                                          *(["--ray-address", args.ray_address] if args.ray_address else [])]
+                                          *(["--ray-address", args.ray_address] if args.ray_address else []),
+                                          *(["--policy", str(Path(args.policy).resolve())] if args.policy else [])]
     parse_models(args.model)
     return run_api(host=args.host, port=args.port, db=args.db or default_db(), storage=args.storage or default_storage(),
-                   max_body_mb=args.max_body_mb, worker_args=worker)
+                   max_body_mb=args.max_body_mb, worker_args=worker, policy=policy)
 
 
 def _cmd_worker(args) -> int:
     from lockstep.service.serve import default_db, default_storage, parse_models, run_worker
 
+    _load_policy(args.policy)
     return run_worker(db=args.db or default_db(), storage=args.storage or default_storage(),
                       ray_address=args.ray_address or "", models=parse_models(args.model),
                       persist_every=args.persist_every, job_slots=args.job_slots)
@@ -186,7 +231,15 @@ def _cmd_submit(args) -> int:
     return 0
 
 
+def _job_url(base: str, job: str, tail: str = "") -> str:
+    """A job's URL; `job` is a whole id or any unique prefix of one (the server resolves it)."""
+    from urllib.parse import quote
+
+    return f"{base}/v1/jobs/{quote(job, safe='')}{tail}"
+
+
 def _cmd_jobs(args) -> int:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
@@ -195,14 +248,68 @@ def _cmd_jobs(args) -> int:
     if args.json:
         print(json.dumps(jobs))
         return 0
-    table = Table(title="jobs")
-    for col in ("id", "name", "state", "priority", "attempts", "final accuracy", "created"):
-        table.add_column(col)
+    # Fits 80 columns with whole ids (what `lockstep logs ID` takes; any unique prefix works too).
+    table = Table(title="jobs", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    table.add_column("id", no_wrap=True, min_width=16)
+    table.add_column("name", overflow="fold")
+    for col in ("state", "priority", "tries", "accuracy", "created (UTC)"):
+        table.add_column(col, no_wrap=True)
     for j in jobs:
         acc = (j.get("summary") or {}).get("eval_accuracy_final")
         table.add_row(j["id"], j["name"], j["state"], j["priority"], str(j["attempts"]),
-                      "" if acc is None else f"{acc:.3f}", j["created_at"][:19])
+                      "" if acc is None else f"{acc:.3f}", j["created_at"][5:16].replace("T", " "))
     Console().print(table)
+    return 0
+
+
+def _cmd_job(args) -> int:
+    base, headers = _server(args)
+    job = _http("GET", _job_url(base, args.job), headers).json()
+    if args.json:
+        print(json.dumps(job))
+        return 0
+    acc = (job.get("summary") or {}).get("eval_accuracy_final")
+    for key in ("id", "name", "state", "priority", "attempts", "max_attempts", "preemptions", "run_seconds",
+                "created_at", "started_at", "finished_at"):
+        print(f"{key:>14}: {job[key]}")
+    if acc is not None:
+        print(f"{'accuracy':>14}: {acc:.3f}")
+    if job["error"]:
+        print(f"{'error':>14}: {job['error']}\n{'':>16}(the whole output: lockstep logs {job['id']} --output)")
+    return 0
+
+
+def _cmd_cancel(args) -> int:
+    base, headers = _server(args)
+    job = _http("POST", _job_url(base, args.job, "/cancel"), headers).json()
+    print(json.dumps(job) if args.json else f"job {job['id']}: {job['state']}")
+    return 0
+
+
+def _cmd_dataset(args) -> int:
+    from urllib.parse import quote
+
+    if args.action != "list" and not args.file:
+        raise SystemExit(f"error: dataset {args.action} needs " + ("a file" if args.action == "upload" else "an id"))
+    base, headers = _server(args)
+    if args.action == "upload":
+        path = Path(args.file)
+        if not path.is_file():
+            raise SystemExit(f"error: {path} is not a file")
+        with open(path, "rb") as f:
+            ds = _http("POST", f"{base}/v1/datasets", headers, params={"name": args.name or path.name}, content=f,
+                       timeout=600).json()
+        print(json.dumps(ds) if args.json else f"uploaded {path} as dataset {ds['id']} ({ds['num_rows']} rows); "
+                                               f"use it as env.path = \"{ds['id']}\" (or env.test_path, stages[].dataset)")
+    elif args.action == "delete":
+        _http("DELETE", f"{base}/v1/datasets/{quote(args.file or '', safe='')}", headers)
+        print(f"deleted dataset {args.file}")
+    else:
+        sets = _http("GET", f"{base}/v1/datasets", headers).json()["datasets"]
+        if args.json:
+            print(json.dumps(sets))
+        for ds in [] if args.json else sets:
+            print(f"{ds['id']}  {ds['format']:7}  {ds['num_rows']:>9} rows  {ds['size_bytes']:>11} bytes  {ds['name']}")
     return 0
 
 
@@ -219,7 +326,15 @@ def _cmd_logs(args) -> int:
     import httpx
 
     base, headers = _server(args)
-    url = f"{base}/v1/jobs/{args.job}/events"
+    if args.output:
+        with httpx.stream("GET", _job_url(base, args.job, "/logs"), headers=headers, timeout=60) as r:
+            if r.status_code >= 400:
+                r.read()
+                raise SystemExit(f"error: {r.status_code}: {r.json().get('error', r.text)}")
+            for chunk in r.iter_text():
+                sys.stdout.write(chunk)
+        return 0
+    url = _job_url(base, args.job, "/events")
     try:
         with httpx.stream("GET", url, headers=headers, params={"follow": str(args.follow).lower()}, timeout=None) as r:
             if r.status_code >= 400:
@@ -282,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-worker", action="store_true", help="run the API only (start workers with `lockstep worker`)")
     serve.add_argument("--max-body-mb", type=int, default=32, help="largest request body accepted")
     serve.add_argument("--job-slots", type=int, default=1, help="jobs its worker runs at once")
+    serve.add_argument("--policy", metavar="FILE", help="job policy TOML: caps, allowed env modules, per-tenant "
+                                                        "overrides (default: safe built-in caps, built-in envs only)")
     serve.set_defaults(func=_cmd_serve)
     worker = sub.add_parser("worker", help="a service worker: runs queued requests and jobs on the engine")
     _service_args(worker)
@@ -289,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
     worker.add_argument("--persist-every", type=int, default=1, help="optimizer steps between durable model states")
     worker.add_argument("--job-slots", type=int, default=1, help="jobs this worker runs at once")
+    worker.add_argument("--policy", metavar="FILE", help="job policy TOML (give the API's own)")
     worker.set_defaults(func=_cmd_worker)
     tenants = sub.add_parser("tenants", help="manage tenants")
     tenants_sub = tenants.add_subparsers(dest="tenants", required=True)
@@ -311,10 +429,25 @@ def build_parser() -> argparse.ArgumentParser:
     _client_args(jobs)
     jobs.set_defaults(func=_cmd_jobs)
     logs = sub.add_parser("logs", help="a job's metrics and state changes")
-    logs.add_argument("job")
+    logs.add_argument("job", help="job id, or any unique prefix of it")
     logs.add_argument("-f", "--follow", action="store_true", help="keep streaming until the job ends")
+    logs.add_argument("--output", action="store_true", help="the latest attempt's process output instead")
     _client_args(logs)
     logs.set_defaults(func=_cmd_logs)
+    job = sub.add_parser("job", help="one job: state, attempts, error")
+    job.add_argument("job", help="job id, or any unique prefix of it")
+    _client_args(job)
+    job.set_defaults(func=_cmd_job)
+    cancel = sub.add_parser("cancel", help="cancel a job")
+    cancel.add_argument("job", help="job id, or any unique prefix of it")
+    _client_args(cancel)
+    cancel.set_defaults(func=_cmd_cancel)
+    dataset = sub.add_parser("dataset", help="your data files for jobs (jsonl or parquet)")
+    dataset.add_argument("action", choices=["upload", "list", "delete"])
+    dataset.add_argument("file", nargs="?", help="upload: the file; delete: the dataset id")
+    dataset.add_argument("--name", help="upload: a label (default: the file's name)")
+    _client_args(dataset)
+    dataset.set_defaults(func=_cmd_dataset)
     return parser
 
 

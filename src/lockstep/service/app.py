@@ -40,6 +40,8 @@ class ServiceConfig:
     """retrieve_future holds a pending request this long (under the SDK's 45 s timeout)."""
     fallback_poll_s: float = 0.2
     """Store re-check interval while waiting, in case a doorbell datagram was lost."""
+    policy: object = None
+    """The operator's job policy (service/policy.py's Policy); None: its safe defaults."""
 
 
 class BodyLimit:

@@ -1,108 +1,122 @@
 """Native jobs under /v1: submit a declarative RLTask (the `lockstep run` spec, as JSON), follow
-it, cancel it, download its artifacts; and per-tenant usage. Auth: `Authorization: Bearer <key>`
-or `X-API-Key`.
+it, cancel it, read its logs, download its artifacts; datasets for its data files (datasets.py);
+and per-tenant usage. Auth: `Authorization: Bearer <key>` or `X-API-Key`.
+
+Every spec passes the operator's policy (policy.py) before it is stored. A job id may be given
+as any unique prefix of it; another tenant's job is unknown, whatever the prefix.
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
 import json
+import re
 import sys
 import tarfile
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import func, select
 from starlette.concurrency import run_in_threadpool
 
+from lockstep.service import datasets
 from lockstep.service.app import db, tenant_of
-from lockstep.service.db import Job, JobEvent, Tenant, Usage
-from lockstep.service.types import JobState, NotFound, Priority, QuotaExceeded, ServiceError, UsageKind, check_loss
+from lockstep.service.datasets import limits_of
+from lockstep.service.db import Dataset, Job, JobEvent, Tenant, Usage, now
+from lockstep.service.jobstate import move
+from lockstep.service.policy import Limits, check_spec, final_model_key, resolve
+from lockstep.service.types import JobState, NotFound, Priority, QuotaExceeded, ServiceError, UsageKind
 
 router = APIRouter()
+router.include_router(datasets.router)
 TENANT = Depends(tenant_of)
-MAX_QUEUED = 100
-"""Jobs a tenant may have waiting at once."""
 ARTIFACTS = {"report.html": "text/html", "summary.json": "application/json", "metrics.jsonl": "application/x-ndjson",
              "config.json": "application/json"}
+JOB_ID = re.compile(r"[0-9a-f]{1,64}")
+MAX_ID = 2**63 - 1
+"""Largest event id (SQLite and PostgreSQL integers are signed 64-bit)."""
+CHUNK = 1 << 20
 
 
 class Submit(BaseModel):
     model_config = ConfigDict(extra="forbid")
     spec: dict[str, Any]
     """A RunSpec as JSON (what `lockstep run --dry-run` prints under "config", or a TOML's tables)."""
-    name: str = ""
+    name: str = Field("", max_length=128)
     priority: Priority = Priority.PREEMPTIBLE
-    max_attempts: int = 3
+    max_attempts: int = Field(3, ge=1, le=10)
 
 
-def validate_spec(spec: dict) -> dict:
-    """The full config validation of `lockstep run`, before anything is stored."""
-    from lockstep.config import ConfigError, from_dict, to_dict
+def validate_spec(s, tenant: Tenant, spec: dict, limits: Limits) -> dict:
+    """The full config validation of `lockstep run`, the operator's policy and the spec's
+    references (the tenant's own datasets and models), before anything is stored."""
+    from lockstep.config import to_dict
 
-    try:
-        run = from_dict(spec)
-    except ConfigError as e:
-        raise ServiceError(f"spec: {e}") from None
-    except TypeError as e:
-        raise ServiceError(f"spec: {e}") from None
-    for i, stage in enumerate(run.stages):
-        if stage.kind == "rl":
-            try:
-                check_loss(stage.loss, dict(stage.loss_config))
-            except ServiceError as e:
-                raise ServiceError(f"spec: stages[{i}].loss: {e}") from None
-    if run.runtime.ray_address:
-        raise ServiceError("spec: runtime.ray_address is set by the service; leave it empty")
-    if run.model.path != "builtin" and not run.model.path.startswith("/"):
-        raise ServiceError("spec: model.path must be 'builtin' or an absolute path registered on the workers")
-    return to_dict(run)
+    d = to_dict(check_spec(spec, limits))
+    resolve(s, tenant.id, d)
+    return d
 
 
 def _job_json(job: Job) -> dict:
     return {"id": job.id, "name": job.name, "state": job.state, "priority": job.priority, "attempts": job.attempts,
             "max_attempts": job.max_attempts, "preemptions": job.preemptions, "error": job.error,
-            "summary": job.summary, "created_at": job.created_at.isoformat(),
+            "summary": job.summary, "run_seconds": job.run_seconds, "created_at": job.created_at.isoformat(),
             "started_at": job.started_at.isoformat() if job.started_at else None,
             "finished_at": job.finished_at.isoformat() if job.finished_at else None, "spec": job.spec}
 
 
 def _job(s, t: Tenant, job_id: str) -> Job:
+    """The tenant's job with this id, or with this unique id prefix."""
+    if not JOB_ID.fullmatch(job_id):
+        raise NotFound(f"unknown job {job_id[:100]!r}")
     job = s.get(Job, job_id)
-    if job is None or job.tenant_id != t.id:
+    if job is not None and job.tenant_id == t.id:
+        return job
+    ids = list(s.scalars(select(Job.id).where(Job.tenant_id == t.id, Job.id.startswith(job_id)).limit(6)))
+    if not ids:
         raise NotFound(f"unknown job {job_id!r}")
-    return job
+    if len(ids) > 1:
+        shown = ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "")
+        raise ServiceError(f"job id prefix {job_id!r} matches {'more than 5' if len(ids) > 5 else len(ids)} of your "
+                           f"jobs ({shown}); give more of the id")
+    return s.get(Job, ids[0])
 
 
 @router.post("/jobs")
 def submit_job(body: Submit, request: Request, t: Tenant = TENANT) -> dict:
-    spec = validate_spec(body.spec)
-    if not 1 <= body.max_attempts <= 10:
-        raise ServiceError("max_attempts must be in [1, 10]")
+    limits = limits_of(request, t)
     with db(request) as s:
-        waiting = s.scalar(select(func.count()).select_from(Job).where(Job.tenant_id == t.id,
-                                                                       Job.state == JobState.QUEUED.value))
-        if waiting >= MAX_QUEUED:
-            raise QuotaExceeded(f"tenant {t.name!r} has {waiting} jobs waiting (at most {MAX_QUEUED})")
-        job = Job(id=uuid.uuid4().hex[:16], tenant_id=t.id, name=body.name[:128], spec=spec,
-                  priority=body.priority.value, max_attempts=body.max_attempts, state=JobState.QUEUED.value)
+        spec = validate_spec(s, t, body.spec, limits)
+        job = Job(id=uuid.uuid4().hex[:16], tenant_id=t.id, name=body.name, spec=spec, priority=body.priority.value,
+                  max_attempts=body.max_attempts, state=JobState.QUEUED.value)
+        # Inserted before counting: the INSERT takes SQLite's write lock (the tenant row lock,
+        # PostgreSQL's), so concurrent submissions cannot all pass the queue cap.
+        s.execute(select(Tenant.id).where(Tenant.id == t.id).with_for_update())
         s.add(job)
         s.add(JobEvent(job_id=job.id, kind="state", data={"state": job.state}))
+        s.flush()
+        waiting = s.scalar(select(func.count()).select_from(Job).where(Job.tenant_id == t.id,
+                                                                       Job.state == JobState.QUEUED.value))
+        if waiting > limits.max_queued_jobs:
+            raise QuotaExceeded(f"tenant {t.name!r} has {waiting - 1} jobs waiting (max_queued_jobs = "
+                                f"{limits.max_queued_jobs})")
         s.commit()
         return _job_json(job)
 
 
 @router.get("/jobs")
-def list_jobs(request: Request, t: Tenant = TENANT, state: str | None = None) -> dict:
+def list_jobs(request: Request, t: Tenant = TENANT, state: JobState | None = None,
+              limit: int = Query(500, ge=1, le=5000)) -> dict:
+    """The tenant's newest `limit` jobs (in `state`, if given), oldest first."""
     with db(request) as s:
         q = select(Job).where(Job.tenant_id == t.id)
         if state:
-            q = q.where(Job.state == state)
-        return {"jobs": [_job_json(j) for j in s.scalars(q.order_by(Job.created_at))]}
+            q = q.where(Job.state == state.value)
+        jobs = list(s.scalars(q.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)))
+        return {"jobs": [_job_json(j) for j in reversed(jobs)]}
 
 
 @router.get("/jobs/{job_id}")
@@ -113,15 +127,23 @@ def get_job(job_id: str, request: Request, t: Tenant = TENANT) -> dict:
 
 @router.post("/jobs/{job_id}/cancel")
 def cancel_job(job_id: str, request: Request, t: Tenant = TENANT) -> dict:
+    """A queued job is cancelled at once; a running one is asked to stop (the scheduler ends it).
+    Through the state machine: if the scheduler moved the job meanwhile, cancel what it is now."""
     with db(request) as s:
         job = _job(s, t, job_id)
-        state = JobState(job.state)
-        if state.terminal:
-            raise ServiceError(f"job {job_id} already ended ({state.value})", status=409)
-        job.state = (JobState.CANCELLED if state is JobState.QUEUED else JobState.CANCELLING).value
-        s.add(JobEvent(job_id=job.id, kind="state", data={"state": job.state}))
-        s.commit()
-        return _job_json(job)
+        for _ in range(10):  # each lost race moved the job on; it ends in a few moves at most
+            state = JobState(job.state)
+            if state.terminal or state is JobState.CANCELLING:
+                if state is JobState.CANCELLING:
+                    return _job_json(job)
+                raise ServiceError(f"job {job.id} already ended ({state.value})", status=409)
+            to = JobState.CANCELLED if state is JobState.QUEUED else JobState.CANCELLING
+            extra = {"finished_at": now()} if to is JobState.CANCELLED else {}
+            if move(s, job, to, event={"by": "tenant"}, **extra):
+                s.commit()
+                return _job_json(job)
+            s.rollback()
+        raise ServiceError(f"job {job.id} changed state too often to cancel; try again", status=409)
 
 
 def _events(request: Request, job_id: str, after: int) -> tuple[list[JobEvent], str]:
@@ -132,14 +154,15 @@ def _events(request: Request, job_id: str, after: int) -> tuple[list[JobEvent], 
 
 
 @router.get("/jobs/{job_id}/events")
-async def job_events(job_id: str, request: Request, after: int = 0, follow: bool = True, t: Tenant = TENANT):
+async def job_events(job_id: str, request: Request, after: int = Query(0, ge=0, le=MAX_ID), follow: bool = True,
+                     t: Tenant = TENANT):
     """Server-sent events: each metrics record and state change, in order; with `follow`, the
     stream stays open until the job ends (resume with ?after=<last id>)."""
-    def check():
+    def check() -> str:
         with db(request) as s:
-            _job(s, t, job_id)
+            return _job(s, t, job_id).id
 
-    await run_in_threadpool(check)
+    job_id = await run_in_threadpool(check)
 
     async def stream():
         cursor = after
@@ -159,37 +182,62 @@ async def job_events(job_id: str, request: Request, after: int = 0, follow: bool
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+@router.get("/jobs/{job_id}/logs")
+def job_logs(job_id: str, request: Request, attempt: int | None = Query(None, ge=1, le=1000),
+             t: Tenant = TENANT) -> StreamingResponse:
+    """An attempt's process output (stdout and stderr; the latest attempt by default), as the
+    worker last uploaded it: while the attempt runs, every few seconds."""
+    storage = request.app.state.storage
+    with db(request) as s:
+        job = _job(s, t, job_id)
+    n = attempt or job.attempts
+    key = f"jobs/{job.tenant_id}/{job.id}/logs/attempt-{n}.log"
+    if n < 1 or n > job.attempts or not storage.exists(key):
+        raise NotFound(f"job {job.id} has no log for attempt {n} (it has made {job.attempts} attempts)")
+    return StreamingResponse(_read_chunks(storage, key), media_type="text/plain; charset=utf-8")
+
+
+def _read_chunks(storage, key: str):
+    with storage.open(key) as f:
+        while chunk := f.read(CHUNK):
+            yield chunk
+
+
 @router.get("/jobs/{job_id}/artifacts/{name}")
-def artifact(job_id: str, name: str, request: Request, t: Tenant = TENANT) -> Response:
+def artifact(job_id: str, name: str, request: Request, t: Tenant = TENANT) -> StreamingResponse:
     storage = request.app.state.storage
     with db(request) as s:
         job = _job(s, t, job_id)
     prefix = f"jobs/{job.tenant_id}/{job.id}"
     if name in ARTIFACTS:
         if not storage.exists(f"{prefix}/{name}"):
-            raise NotFound(f"job {job_id} has no {name} yet (state {job.state})")
-        with storage.open(f"{prefix}/{name}") as f:
-            return Response(f.read(), media_type=ARTIFACTS[name])
+            raise NotFound(f"job {job.id} has no {name} yet (state {job.state})")
+        return StreamingResponse(_read_chunks(storage, f"{prefix}/{name}"), media_type=ARTIFACTS[name])
     if name == "final_model.tar":
-        if not storage.has_dir(f"{prefix}/final_model"):
-            raise NotFound(f"job {job_id} has no final model yet (state {job.state})")
-        return Response(_tar(storage, f"{prefix}/final_model"), media_type="application/x-tar",
-                        headers={"Content-Disposition": f'attachment; filename="{job_id}-final_model.tar"'})
-    raise NotFound(f"unknown artifact {name!r}; artifacts: {[*ARTIFACTS, 'final_model.tar']}")
+        key = final_model_key(job.tenant_id, job.id)
+        if not storage.has_dir(key):
+            raise NotFound(f"job {job.id} has no final model yet (state {job.state})")
+        return StreamingResponse(tar_stream(storage, key), media_type="application/x-tar",
+                                 headers={"Content-Disposition": f'attachment; filename="{job.id}-final_model.tar"'})
+    raise NotFound(f"unknown artifact {name[:100]!r}; artifacts: {[*ARTIFACTS, 'final_model.tar']}")
 
 
-def _tar(storage, key: str) -> bytes:
-    buf = io.BytesIO()
+def tar_stream(storage, key: str):
+    """A tar of a stored directory, member by member in CHUNK-sized pieces. By hand around
+    tarfile's own header encoding: TarFile.addfile copies a whole member into its output before
+    returning, which would hold a multi-GB weights file in memory."""
     root = storage.path(key)
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for remote in sorted(storage.fs.find(root)):
-            rel = remote[len(root):].lstrip("/")
-            with storage.fs.open(remote, "rb") as f:
-                data = f.read()
-            info = tarfile.TarInfo(f"final_model/{rel}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+    for remote in sorted(storage.fs.find(root)):
+        info = tarfile.TarInfo(f"final_model/{remote[len(root):].lstrip('/')}")
+        info.size, info.mode = storage.fs.size(remote), 0o644
+        yield info.tobuf(format=tarfile.PAX_FORMAT)
+        with storage.fs.open(remote, "rb") as f:
+            while chunk := f.read(CHUNK):
+                yield chunk
+        if info.size % tarfile.BLOCKSIZE:
+            yield tarfile.NUL * (tarfile.BLOCKSIZE - info.size % tarfile.BLOCKSIZE)
+    yield tarfile.NUL * (2 * tarfile.BLOCKSIZE)  # end of archive
+    # (tarfile also pads to a 10 KiB record; readers do not require it)
 
 
 @router.get("/usage")
@@ -197,7 +245,8 @@ def usage(request: Request, t: Tenant = TENANT) -> dict:
     with db(request) as s:
         rows = s.execute(select(Usage.kind, func.sum(Usage.amount)).where(Usage.tenant_id == t.id).group_by(Usage.kind))
         totals = {kind: float(amount) for kind, amount in rows}
-    return {"tenant": t.name, **{k.value: totals.get(k.value, 0.0) for k in UsageKind}}
+        stored = s.scalar(select(func.coalesce(func.sum(Dataset.size_bytes), 0)).where(Dataset.tenant_id == t.id))
+    return {"tenant": t.name, **{k.value: totals.get(k.value, 0.0) for k in UsageKind}, "dataset_bytes": int(stored)}
 
 
 @router.get("/health")

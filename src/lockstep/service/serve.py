@@ -39,13 +39,15 @@ def parse_models(items) -> dict:
     return out
 
 
-def run_api(*, host: str, port: int, db: str, storage: str, max_body_mb: int, worker_args: list | None) -> int:
+def run_api(*, host: str, port: int, db: str, storage: str, max_body_mb: int, worker_args: list | None,
+            policy=None) -> int:
     import uvicorn
 
     from lockstep.service.app import ServiceConfig, create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app = create_app(ServiceConfig(db_url=db, storage_url=storage, max_body_bytes=max_body_mb * 1024 * 1024))
+    app = create_app(ServiceConfig(db_url=db, storage_url=storage, max_body_bytes=max_body_mb * 1024 * 1024,
+                                   policy=policy))
     child = None
     if worker_args is not None:
         child = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "worker", "--db", db, "--storage", storage,

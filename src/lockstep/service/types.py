@@ -82,7 +82,7 @@ class JobState(str, enum.Enum):
 
 
 JOB_TRANSITIONS: dict[JobState, tuple[JobState, ...]] = {
-    JobState.QUEUED: (JobState.RUNNING, JobState.CANCELLED),
+    JobState.QUEUED: (JobState.RUNNING, JobState.CANCELLED, JobState.FAILED),
     JobState.RUNNING: (JobState.SUCCEEDED, JobState.FAILED, JobState.QUEUED, JobState.PREEMPTING,
                        JobState.CANCELLING),
     JobState.PREEMPTING: (JobState.QUEUED, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLING),
@@ -92,7 +92,8 @@ JOB_TRANSITIONS: dict[JobState, tuple[JobState, ...]] = {
     JobState.CANCELLED: (),
 }
 """RUNNING -> QUEUED is a failed attempt with retries left (after a backoff) or a finished
-preemption; a job only ever ends in a terminal state."""
+preemption; QUEUED -> FAILED a stored spec the worker's policy refuses; a job only ever ends in a
+terminal state."""
 
 
 class Priority(str, enum.Enum):

@@ -1,0 +1,327 @@
+"""The operator's policy for jobs: what a tenant's job may ask the worker to do.
+
+A job spec is a `lockstep run` config, and `lockstep run` on your own machine trusts its config:
+it imports any "module:function" env, reads any data file and loads any model directory. Under the
+service every such field is a reference the server resolves, never a path:
+
+- `env.name`: a built-in suite, or a user module the operator allowlisted (`user_env_modules`);
+- `model.path`: "builtin", a registered base model by name, or `job:<id>`, the final model of one
+  of the tenant's own succeeded jobs;
+- `env.path`, `env.test_path`, `stages[].dataset`: a dataset id (`ds-...`) the tenant uploaded
+  through `POST /v1/datasets`;
+
+and sizes are capped (`Limits`). Defaults are safe: with no policy file, built-in envs only and
+the caps below. A policy file (TOML, `lockstep serve --policy FILE`) sets any cap at the top level
+and per tenant under `[tenants.NAME]`. The API checks every spec before storing it; the scheduler
+checks the stored spec again, with the worker's own policy, before each attempt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from sqlalchemy import select
+
+from lockstep.config.types import RunSpec
+from lockstep.service.db import BaseModelEntry, Dataset, Job
+from lockstep.service.types import JobState, ServiceError, check_loss
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps on one job (and one tenant's datasets and queue). Each applies per job; the policy
+    file may set them per tenant."""
+
+    user_env_modules: tuple[str, ...] = ()
+    """Modules a "module:function" env may come from (a module covers its submodules; "*": any).
+    Empty: built-in suites only. An allowed module runs with the worker's privileges."""
+    max_stages: int = 8
+    max_steps: int = 10_000
+    """Optimizer steps over all stages."""
+    max_batch_size: int = 1024
+    """stages[].batch_size (sft examples per step)."""
+    max_prompts_per_step: int = 256
+    max_group_size: int = 64
+    max_env_workers: int = 8
+    """runtime.env_workers (env worker actors)."""
+    max_threads: int = 8
+    """runtime.generator_threads and runtime.trainer_threads, each."""
+    max_restarts: int = 5
+    """runtime.max_restarts (Ray restarts of a crashed actor)."""
+    max_keep_checkpoints: int = 10
+    max_env_size: int = 100_000
+    """env.size (problems drawn from a procedural task)."""
+    max_num_heldout: int = 5_000
+    max_pass_k: int = 64
+    max_tokens: int = 2_048
+    """env.max_tokens (tokens sampled per turn)."""
+    max_turns: int = 16
+    max_env_retries: int = 10
+    max_lora_rank: int = 256
+    max_wall_seconds: float = 6 * 3600.0
+    """Running time of a job, over all its attempts; the scheduler stops and fails a job past it."""
+    max_spec_bytes: int = 64 * 1024
+    """A spec's size as JSON."""
+    max_queued_jobs: int = 100
+    """Jobs a tenant may have waiting at once."""
+    max_dataset_bytes: int = 32 * MiB
+    """One uploaded dataset (the API's --max-body-mb bounds it too)."""
+    dataset_quota_bytes: int = 1024 * MiB
+    """A tenant's datasets, all together."""
+    max_datasets: int = 100
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "user_env_modules":
+                if not all(isinstance(m, str) and (m == "*" or all(p.isidentifier() for p in m.split("."))) for m in v):
+                    raise PolicyError(f"user_env_modules: expected dotted module names or '*', got {list(v)!r}")
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 1:
+                raise PolicyError(f"{f.name}: expected a number >= 1, got {v!r}")
+
+
+class PolicyError(ValueError):
+    """An invalid policy file: the message names the key."""
+
+
+POLICY_ENV = "LOCKSTEP_POLICY"
+"""A policy file the worker's scheduler reads (`lockstep serve/worker --policy` set it)."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    limits: Limits = field(default_factory=Limits)
+    tenants: Mapping[str, Limits] = field(default_factory=dict)
+    """Tenant name -> its limits (the defaults overridden by its `[tenants.NAME]` table)."""
+
+    def for_tenant(self, name: str) -> Limits:
+        return self.tenants.get(name, self.limits)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Policy:
+        data = dict(data)
+        tenants = data.pop("tenants", {})
+        if not isinstance(tenants, dict) or not all(isinstance(v, dict) for v in tenants.values()):
+            raise PolicyError("tenants: expected tables [tenants.NAME]")
+        base = _limits({}, data, "")
+        return cls(base, {name: _limits(dataclasses.asdict(base), over, f"tenants.{name}.")
+                          for name, over in tenants.items()})
+
+    @classmethod
+    def load(cls, path: str | Path) -> Policy:
+        try:
+            return cls.from_dict(tomllib.loads(Path(path).read_text()))
+        except FileNotFoundError:
+            raise PolicyError(f"policy file {str(path)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise PolicyError(f"{path}: invalid TOML: {e}") from None
+        except PolicyError as e:
+            raise PolicyError(f"{path}: {e}") from None
+
+
+def _limits(base: dict, over: dict, where: str) -> Limits:
+    names = [f.name for f in dataclasses.fields(Limits)]
+    for key in over:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            raise PolicyError(f"{where}{key}: unknown key" + (f"; did you mean {close[0]!r}?" if close else
+                                                             f"; valid keys: {names}"))
+    merged = {**base, **over}
+    if "user_env_modules" in merged:
+        if not isinstance(merged["user_env_modules"], (list, tuple)):
+            raise PolicyError(f"{where}user_env_modules: expected a list of module names")
+        merged["user_env_modules"] = tuple(merged["user_env_modules"])
+    try:
+        return Limits(**merged)
+    except PolicyError as e:
+        raise PolicyError(f"{where}{e}") from None
+
+
+def from_env() -> Policy:
+    """The policy file named by $LOCKSTEP_POLICY, or the safe defaults."""
+    path = os.environ.get(POLICY_ENV)
+    return Policy.load(path) if path else Policy()
+
+
+# -- checking a spec -----------------------------------------------------------------------------
+DATASET_ID = re.compile(r"ds-[0-9a-f]{16}")
+JOB_MODEL = re.compile(r"job:([0-9a-f]{16})")
+DATA_FIELDS = ("env.path", "env.test_path")
+MAX_DEPTH = 8
+MAX_STRING = 4096
+INT64 = 2**63
+
+_CAPS = (  # (cap, the spec fields it bounds)
+    ("max_batch_size", ("stages[].batch_size",)), ("max_prompts_per_step", ("stages[].prompts_per_step",)),
+    ("max_group_size", ("stages[].group_size",)), ("max_env_workers", ("runtime.env_workers",)),
+    ("max_threads", ("runtime.generator_threads", "runtime.trainer_threads")),
+    ("max_restarts", ("runtime.max_restarts",)), ("max_keep_checkpoints", ("runtime.keep_checkpoints",)),
+    ("max_env_size", ("env.size",)), ("max_num_heldout", ("env.num_heldout",)), ("max_pass_k", ("env.pass_k",)),
+    ("max_tokens", ("env.max_tokens",)), ("max_turns", ("env.max_turns",)), ("max_env_retries", ("env.retries",)),
+    ("max_lora_rank", ("model.lora_rank",)),
+)
+
+
+def _shape(value: Any, path: str, depth: int = 0) -> None:
+    """Bounded JSON: nesting, string lengths, 64-bit integers and finite numbers (a job process,
+    the store and numpy seeds all break on the rest)."""
+    if depth > MAX_DEPTH:
+        raise ServiceError(f"spec: {path or 'spec'} is nested deeper than {MAX_DEPTH} levels")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _shape(v, f"{path}.{k}" if path else str(k), depth + 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _shape(v, f"{path}[{i}]", depth + 1)
+    elif isinstance(value, str):
+        if len(value) > MAX_STRING:
+            raise ServiceError(f"spec: {path} is longer than {MAX_STRING} characters")
+    elif isinstance(value, bool) or value is None:
+        pass
+    elif isinstance(value, int):
+        if not -INT64 <= value < INT64:
+            raise ServiceError(f"spec: {path} = {value} does not fit in 64 bits")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ServiceError(f"spec: {path} must be a finite number, got {value}")
+
+
+def _values(d: dict, field_path: str):
+    """(path, value) of a dotted field, `stages[]` meaning each stage."""
+    head, _, rest = field_path.partition(".")
+    if head == "stages[]":
+        for i, stage in enumerate(d["stages"]):
+            yield f"stages[{i}].{rest}", stage[rest]
+    else:
+        yield field_path, d[head][rest]
+
+
+def check_spec(spec: dict, limits: Limits) -> RunSpec:
+    """The parsed RunSpec of a job spec that this policy allows; ServiceError (400) naming the
+    field and the cap otherwise. References are checked for form here, for existence in resolve()."""
+    from lockstep.config import ConfigError, from_dict, to_dict
+    from lockstep.envs.registry import check_name
+    from lockstep.envs.types import EnvError
+
+    if not isinstance(spec, dict):
+        raise ServiceError("spec: expected a JSON object of run config sections")
+    _shape(spec, "")
+    size = len(json.dumps(spec))
+    if size > limits.max_spec_bytes:
+        raise ServiceError(f"spec: {size} bytes as JSON is over this server's cap max_spec_bytes = {limits.max_spec_bytes}")
+    try:
+        run = from_dict(spec)
+    except (ConfigError, TypeError, ValueError) as e:
+        raise ServiceError(f"spec: {e}") from None
+    d = to_dict(run)
+    for i, stage in enumerate(run.stages):
+        if stage.kind == "rl":
+            try:
+                check_loss(stage.loss, dict(stage.loss_config))
+            except ServiceError as e:
+                raise ServiceError(f"spec: stages[{i}].loss: {e}") from None
+            bad = {k: v for k, v in stage.loss_config.items() if isinstance(v, bool) or not isinstance(v, (int, float))}
+            if bad:
+                raise ServiceError(f"spec: stages[{i}].loss_config: expected numbers, got {bad}")
+    if run.runtime.ray_address:
+        raise ServiceError("spec: runtime.ray_address is set by the service; leave it empty")
+    if not 0 <= run.seed < 2**32:
+        raise ServiceError(f"spec: seed must be in [0, 2^32), got {run.seed}")
+    try:
+        check_name(run.env.name, limits.user_env_modules)
+    except EnvError as e:
+        raise ServiceError(f"spec: {e}") from None
+    _check_caps(d, limits)
+    _check_references(d)
+    return run
+
+
+def _over(path: str, value, cap: str, limit, what: str = "") -> ServiceError:
+    return ServiceError(f"spec: {path} = {value} is over this server's cap {cap} = {limit}{what}")
+
+
+def _check_caps(d: dict, limits: Limits) -> None:
+    if len(d["stages"]) > limits.max_stages:
+        raise _over("len(stages)", len(d["stages"]), "max_stages", limits.max_stages)
+    steps = sum(s["steps"] for s in d["stages"])
+    if steps > limits.max_steps:
+        raise _over("sum(stages[].steps)", steps, "max_steps", limits.max_steps, " (optimizer steps of all stages)")
+    for cap, fields in _CAPS:
+        limit = getattr(limits, cap)
+        for f in fields:
+            for path, value in _values(d, f):
+                if value > limit:
+                    raise _over(path, value, cap, limit)
+
+
+def _check_references(d: dict) -> None:
+    path = d["model"]["path"]
+    if path.startswith("/") or path.startswith(".") or "\\" in path or ".." in path.split("/") or "\x00" in path:
+        raise ServiceError(f"spec: model.path {path[:100]!r}: a path on the server is not accepted; use 'builtin', "
+                           f"a registered base model's name, or job:<id> of one of your succeeded jobs")
+    for f, value in data_fields(d):
+        if value and not DATASET_ID.fullmatch(value):
+            raise ServiceError(f"spec: {f} {value[:100]!r}: expected a dataset id (ds-...) from POST /v1/datasets "
+                               f"(`lockstep dataset upload FILE`); paths on the server are not accepted")
+
+
+def data_fields(d: dict) -> list[tuple[str, str]]:
+    """(field, value) of every data-file field of a spec dict."""
+    out = [(f, d["env"][f.split(".")[1]]) for f in DATA_FIELDS]
+    return out + [(f"stages[{i}].dataset", s["dataset"]) for i, s in enumerate(d["stages"])]
+
+
+# -- resolving references ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Inputs:
+    """What a job's references resolve to, on the server's side."""
+
+    model_kind: str
+    """"builtin", "base" (a registered base model) or "job" (a final model in storage)."""
+    model: str
+    """base: its directory on the workers; job: its storage key; builtin: ""."""
+    datasets: Mapping[str, str] = field(default_factory=dict)
+    """Dataset id -> its storage key."""
+
+
+def resolve(s, tenant_id: str, d: dict) -> Inputs:
+    """Resolve a checked spec dict's references for `tenant_id`; another tenant's object is
+    reported exactly like a missing one."""
+    path = d["model"]["path"]
+    if path == "builtin":
+        kind, model = "builtin", ""
+    elif m := JOB_MODEL.fullmatch(path):
+        job = s.get(Job, m.group(1))
+        if job is None or job.tenant_id != tenant_id or job.state != JobState.SUCCEEDED.value:
+            raise ServiceError(f"spec: model.path {path!r}: none of your succeeded jobs has this id")
+        kind, model = "job", final_model_key(job.tenant_id, job.id)
+    else:
+        entry = s.get(BaseModelEntry, path)
+        if entry is None:
+            names = sorted(s.scalars(select(BaseModelEntry.name)))
+            raise ServiceError(f"spec: model.path {path[:100]!r} is not a registered base model ({names}), 'builtin' "
+                               f"or job:<id> of one of your succeeded jobs")
+        kind, model = "base", entry.path
+    datasets = {}
+    for f, value in data_fields(d):
+        if value:
+            ds = s.get(Dataset, value)
+            if ds is None or ds.tenant_id != tenant_id:
+                raise ServiceError(f"spec: {f}: you have no dataset {value!r} (upload one with POST /v1/datasets)")
+            datasets[value] = ds.storage_key
+    return Inputs(kind, model, datasets)
+
+
+def final_model_key(tenant_id: str, job_id: str) -> str:
+    return f"jobs/{tenant_id}/{job_id}/final_model"
