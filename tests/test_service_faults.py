@@ -183,10 +183,12 @@ def logged(tmp_path):
 
 def test_hostile_rows_fail_alone_and_the_worker_serves_on(logged, builtin_dir):
     """A save with ttl 10^12 (it crashed the whole worker, for every tenant, forever), a payload
-    that is not JSON, a result the store refuses (a forward_backward whose usage row breaks a
-    foreign key: its gradient was already applied in memory), a row that breaks the claim loop and a
-    job that breaks the scheduler's tick: each request fails alone with a message, the loops back
-    off and go on, and the model ends exactly where its valid requests alone take it."""
+    that is not JSON, results the store refuses (a forward_backward and an optim_step whose usage
+    rows break a foreign key: both already applied in memory, the optim_step had written a new
+    durable state), a row that breaks the claim loop and a job that breaks the scheduler's tick:
+    each request fails alone with a message, the loops back off and go on, and the model ends
+    exactly where its valid requests alone take it (rebuilt from the durable state its failed
+    optim_step would have replaced: deleted before the commit, it would be lost)."""
     srv = logged
     serve = start_logged(srv, log=srv.log)
     worker, sc = worker_child(serve), tinker.ServiceClient(base_url=srv.url, api_key=srv.keys["gail"])
@@ -199,22 +201,25 @@ def test_hostile_rows_fail_alone_and_the_worker_serves_on(logged, builtin_dir):
     tc.optim_step(adam).result()
     with store(srv) as con, con:  # hold the model's queue while three requests are rewritten in the store
         con.execute("update models set done_seq = -100 where id = ?", (tc.model_id,))
-    carriers = [tc.save_state("far", ttl_seconds=3600), tc.optim_step(adam), tc.forward_backward(data, "cross_entropy")]
-    wait_until(lambda: row_at(srv, tc.model_id, 5), what="the SDK's requests to be queued")
+    carriers = [tc.save_state("far", ttl_seconds=3600), tc.optim_step(adam), tc.forward_backward(data, "cross_entropy"),
+                tc.optim_step(adam)]
+    wait_until(lambda: row_at(srv, tc.model_id, 6), what="the SDK's requests to be queued")
     with store(srv) as con, con:
         con.execute("update requests set payload = ? where model_id = ? and seq_id = 3",
                     (json.dumps({"name": "far", "ttl_seconds": 10**12}).encode(), tc.model_id))
         con.execute("update requests set payload = ? where model_id = ? and seq_id = 4", (b"\xff{not json", tc.model_id))
-        con.execute("update requests set tenant_id = 'no-such-tenant' where model_id = ? and seq_id = 5", (tc.model_id,))
+        con.execute("update requests set tenant_id = 'no-such-tenant' where model_id = ? and seq_id in (5, 6)",
+                    (tc.model_id,))
         con.execute("update models set done_seq = 2 where id = ?", (tc.model_id,))
     for f, message in zip(carriers, ("ttl_seconds must be", "not JSON")):
         with pytest.raises(Exception, match=message):
             f.result()
-    rows = wait_until(lambda: (r := [row_at(srv, tc.model_id, seq) for seq in (3, 4, 5)])[2]["state"] in ("done", "failed") and r,
-                      what="the third request")  # (its tenant is not ours any more: the store says how it ended)
-    assert [r["state"] for r in rows] == ["failed"] * 3
-    assert [r["error_category"] for r in rows] == ["user", "user", "server"]
+    rows = wait_until(lambda: (r := [row_at(srv, tc.model_id, seq) for seq in (3, 4, 5, 6)])[3]["state"]
+                      in ("done", "failed") and r, what="the last request")  # (the last two are not ours any more)
+    assert [r["state"] for r in rows] == ["failed"] * 4
+    assert [r["error_category"] for r in rows] == ["user", "user", "server", "server"]
     assert "recording the result of forward_backward: IntegrityError" in rows[2]["error"]
+    assert "recording the result of optim_step: IntegrityError" in rows[3]["error"]
     # A row that makes every claim attempt raise, while a real request waits behind it.
     bad = insert_request(srv, kind="sample", tenant_id=rows[1]["tenant_id"], sampling_session_id="nowhere",
                          payload=b"{}", order="x")
