@@ -354,7 +354,7 @@ class RequestExecutor:
     def _persist(self, req, model, out: Outcome) -> None:
         """Write the model's state under a new key; the pointer moves with the result's commit,
         and the state it replaces is deleted only after that commit."""
-        key = unique_key(f"models/{_safe(model.id)}/state-{req.seq_id:08d}")
+        key = unique_key(f"models/{_safe(model.id)}", f"state-{req.seq_id:08d}")
         self.host.save_state(model.id, key, True)
 
         def update(s):
@@ -381,7 +381,7 @@ class RequestExecutor:
                                                     Checkpoint.name == name))
         if old is not None and kind == "weights" and not p.get("overwrite"):
             raise UserError(f"checkpoint weights/{name} already exists for {model.id}; pass overwrite=True to replace it")
-        key = unique_key(f"checkpoints/{model.tenant_id}/{_safe(model.id)}/{kind}/{name}")
+        key = unique_key(f"checkpoints/{model.tenant_id}/{_safe(model.id)}", f"{kind}/{name}")
         size = self.host.save_state(model.id, key, optimizer)
 
         def update(s):
@@ -414,7 +414,7 @@ class RequestExecutor:
         if isinstance(seq, bool) or not isinstance(seq, int):
             raise UserError("save_weights_for_sampler needs a name or an integer sampling_session_seq_id")
         ssid = f"{model.id}:sample:{seq}"
-        key = unique_key(f"ephemeral/{model.tenant_id}/{_safe(ssid)}")
+        key = unique_key(f"ephemeral/{model.tenant_id}", _safe(ssid))
         self.host.snapshot_session(model.id, ssid, key, base_path, model.lora_config)
 
         def update(s):

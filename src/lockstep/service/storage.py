@@ -23,10 +23,10 @@ import fsspec
 MANIFEST = "MANIFEST.json"
 
 
-def unique_key(prefix: str) -> str:
-    """A key no save has used before: a save never replaces an object in place, so no cached copy
-    of an older save can be served for a newer one under the same name."""
-    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+def unique_key(parent: str, leaf: str) -> str:
+    """`parent/<new id>/leaf`, a key no save has used before: a save never replaces an object in
+    place, so no cached copy of an older save can be served for a newer one under the same name."""
+    return f"{parent}/{uuid.uuid4().hex[:12]}/{leaf}"
 
 
 class Storage:
@@ -86,6 +86,14 @@ class Storage:
         target = self.path(key)
         if self.fs.exists(target):
             self.fs.rm(target, recursive=True)
+        if self.local:  # and the directories the key alone used (object stores have none)
+            for parent in Path(target).parents:
+                if parent == Path(self.root) or not parent.is_relative_to(self.root):
+                    break
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
 
     # -- files (artifacts) -----------------------------------------------------------------------
     def put_file(self, local: str | Path, key: str) -> None:
