@@ -13,7 +13,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from contextlib import closing
@@ -25,6 +24,7 @@ import pytest
 import tinker
 from tinker import types
 
+from service_harness import alive, wait_until
 from test_service_sdk import executor_of, logprobs, make_server, reference_logprobs, sft_datum
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -43,30 +43,12 @@ def start_logged(srv, *extra, log: Path, worker: bool = True) -> subprocess.Pope
     return proc
 
 
-def start_worker_logged(srv, *extra, log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "worker", "--db", srv.db, "--storage", srv.storage,
-                             *extra], env=srv.env, start_new_session=True, stdout=open(log, "ab"),
-                            stderr=subprocess.STDOUT)
-    srv.procs.append(proc)
-    return proc
-
-
 def up(srv, worker: bool = True) -> bool:
     try:
         health = httpx.get(f"{srv.url}/v1/health", timeout=2).json()
     except (httpx.HTTPError, ValueError):
         return False
     return health["status"] == "ok" and (not worker or health["workers"] >= 1)
-
-
-def wait_until(pred, timeout: float = 60, what: str = "condition", every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def store(srv):
@@ -87,12 +69,6 @@ def insert_request(srv, *, kind: str, payload: bytes, tenant_id: str, model_id=N
                     (rid, tenant_id, kind, model_id, seq_id, sampling_session_id, payload, fmt,
                      hashlib.sha256(payload).hexdigest(), "queued", 0, dt.datetime.utcnow().isoformat(sep=" "), order))
     return rid
-
-
-def request_row(srv, rid: str) -> dict:
-    with store(srv) as con:
-        con.row_factory = sqlite3.Row
-        return dict(con.execute("select * from requests where id = ?", (rid,)).fetchone())
 
 
 def row_at(srv, model_id: str, seq_id: int) -> dict | None:
@@ -118,17 +94,6 @@ def worker_child(serve: subprocess.Popen, old: int | None = None, timeout: float
 def tree(pid: int) -> list:
     root = psutil.Process(pid)
     return [root, *root.children(recursive=True)]
-
-
-def alive(procs) -> list:
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def describe(procs) -> list:

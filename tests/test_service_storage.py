@@ -52,6 +52,25 @@ def test_fetch_cache_is_bounded_least_recently_used_first_and_never_evicts_what_
     assert again.keys() == ["k/c"]
 
 
+def test_engine_host_holds_a_bounded_number_of_models_sessions_and_skeletons(tmp_path, builtin_dir):
+    """Each tenant's model may have its own LoRA seed: sampler skeletons are per LoRA shape, not
+    per seed (one per seed grew memory with every model), and every table is an LRU."""
+    from lockstep.service.host import EngineHost
+
+    host = EngineHost(str(tmp_path / "storage"), str(tmp_path / "cache"), 1, max_models=2, max_sessions=2,
+                      max_skeletons=1)
+    for seed in range(3):
+        host.create_model(f"m{seed}", builtin_dir, {"rank": 4, "seed": seed})
+        host.snapshot_session(f"m{seed}", f"s{seed}", f"snap/{seed}", builtin_dir, {"rank": 4, "seed": seed})
+    assert list(host.trainers) == ["m1", "m2"] and list(host.sessions) == ["s1", "s2"]
+    prompt = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]}, "num_samples": 1,
+              "sampling_params": {"max_tokens": 2, "temperature": 0.0}}
+    host.sample("s2", prompt)
+    host.sample("s1", prompt)
+    assert list(host.sessions) == ["s2", "s1"]  # used: now the newest
+    assert len(host.skeletons) == 1  # two seeds, one shape
+
+
 def store(srv):
     return closing(sqlite3.connect(srv.db.removeprefix("sqlite:///"), timeout=30))
 

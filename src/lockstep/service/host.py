@@ -8,14 +8,14 @@ Sampling sessions share one model skeleton per (base model, LoRA shape): before 
 skeleton's trainable parameters are pointed at the session's pinned weights (no copy), so a
 sampler stays on its snapshot while training goes on.
 
-Memory is bounded: at most `max_models` trainers and `max_sessions` pinned sampler weights are
-held, the least recently used dropped first. A dropped trainer is rebuilt by the executor's replay
-(durable state + the finished requests after it), a dropped session is reopened from storage.
+Memory is bounded: at most `max_models` trainers, `max_sessions` pinned sampler weights and
+`max_skeletons` sampler skeletons are held, the least recently used dropped first. A dropped
+trainer is rebuilt by the executor's replay (durable state + the finished requests after it), a
+dropped session is reopened from storage, a dropped skeleton is built again.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import tempfile
@@ -68,7 +68,7 @@ class Lru(OrderedDict):
 
 class EngineHost:
     def __init__(self, storage_url: str, cache_dir: str, threads: int, *, max_models: int = 8,
-                 max_sessions: int = 32, fetch_cache_bytes: int = 4 << 30):
+                 max_sessions: int = 32, max_skeletons: int = 4, fetch_cache_bytes: int = 4 << 30):
         import torch
 
         from lockstep.service.storage import FetchCache, Storage
@@ -79,8 +79,8 @@ class EngineHost:
         self.cache.mkdir(parents=True, exist_ok=True)
         self.fetched = FetchCache(self.storage, self.cache / "fetched", fetch_cache_bytes)
         self.trainers = Lru(max_models, "model")
-        self.skeletons: dict = {}
-        """One per (base model, LoRA shape): few, and each sampling session needs its own."""
+        self.skeletons = Lru(max_skeletons, "sampler skeleton")
+        """One per (base model, LoRA shape), rebuilt on demand."""
         self.sessions = Lru(max_sessions, "sampling session")
 
     # -- models ----------------------------------------------------------------------------------
@@ -160,38 +160,37 @@ class EngineHost:
             return self.storage.put_dir(path, key)
 
     # -- sampling --------------------------------------------------------------------------------
-    def _skeleton(self, base_path: str, lora: dict | None):
-        """One model + sampler per (base model, LoRA shape); returns its key."""
+    def _skeleton(self, base_path: str, lora: dict | None) -> tuple:
+        """(trainer, sampler, original weights): one per (base model, LoRA shape), not per LoRA seed
+        (the seed only sets initial values, which a session's pinned weights replace)."""
         from lockstep.engine.sampler import Sampler
         from lockstep.engine.trainer import Trainer
 
-        key = (base_path, json.dumps(lora if lora and lora.get("rank") else None, sort_keys=True))
+        spec = lora_spec(lora)
+        key = (base_path, None if spec is None else (spec.rank, spec.alpha, tuple(spec.target_modules)))
         if key not in self.skeletons:
-            t = Trainer.from_pretrained(base_path, lora=lora_spec(lora))
-            original = {n: p.data for n, p in t.params.items()}
-            self.skeletons[key] = (t, Sampler(t.model, t.tokenizer), original)
-        return key
+            t = Trainer.from_pretrained(base_path, lora=spec)
+            self.skeletons.put(key, (t, Sampler(t.model, t.tokenizer), {n: p.data for n, p in t.params.items()}))
+        return self.skeletons.use(key)
 
     def open_session(self, session_id: str, base_path: str, lora: dict | None, weights_key: str | None) -> None:
         """Pin a sampling session to weights in storage (None: the base model itself)."""
         if session_id in self.sessions:
             return
-        key = self._skeleton(base_path, lora)
-        trainer, _sampler, original = self.skeletons[key]
+        trainer, _sampler, original = self._skeleton(base_path, lora)
         if weights_key is None:
             weights = original
         else:
             with self._fetch(weights_key) as local:
                 weights = _load_weights(local, trainer)
-        self.sessions.put(session_id, (key, weights))
+        self.sessions.put(session_id, (base_path, lora, weights))
 
     def snapshot_session(self, model_id: str, session_id: str, key: str, base_path: str, lora: dict | None) -> int:
         """An ephemeral sampler on the model's current weights: persisted (for restarts), then
         pinned to a copy; returns the bytes written."""
         trainer = self._trainer(model_id)
         size = self.save_state(model_id, key, optimizer=False)
-        skel = self._skeleton(base_path, lora)
-        self.sessions.put(session_id, (skel, {n: p.detach().clone() for n, p in trainer.params.items()}))
+        self.sessions.put(session_id, (base_path, lora, {n: p.detach().clone() for n, p in trainer.params.items()}))
         return size
 
     def has_session(self, session_id: str) -> bool:
@@ -203,8 +202,8 @@ class EngineHost:
 
         if session_id not in self.sessions:
             raise HostError(f"sampling session {session_id} is not open")
-        skel_key, weights = self.sessions.use(session_id)
-        trainer, sampler, _ = self.skeletons[skel_key]
+        base_path, lora, weights = self.sessions.use(session_id)
+        trainer, sampler, _ = self._skeleton(base_path, lora)
         for name, p in trainer.params.items():
             p.data = weights[name]
         p = body["sampling_params"]
