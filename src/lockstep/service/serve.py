@@ -166,7 +166,7 @@ def add_worker_options(parser) -> None:
         default = getattr(defaults, name)
         if name == "fetch_cache_bytes":
             default //= 1 << 20
-        parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})" if default != "" else text)
 
 
 def worker_options(args) -> dict:
