@@ -25,6 +25,10 @@ def test_cli_surface_is_frozen():
         "serve --ray-address", "serve --no-worker", "serve --max-body-mb", "serve --job-slots", "serve --policy",
         "worker --help/-h", "worker --db", "worker --storage", "worker --model", "worker --ray-address",
         "worker --persist-every", "worker --job-slots", "worker --policy",
+        # the worker's bounds, on `worker` and on `serve` (for the worker it starts)
+        *(f"{cmd} --{flag}" for cmd in ("serve", "worker") for flag in (
+            "max-attempts", "max-models", "max-samplers", "fetch-cache-mb", "janitor-every", "session-ttl")),
+        "serve --persist-every",
         "tenants --help/-h", "tenants create --help/-h", "tenants create --db", "tenants create --json",
         "tenants create --max-jobs", "tenants create --max-models",
         "submit --help/-h", "submit --name", "submit --priority", "submit --max-attempts", "submit --server",

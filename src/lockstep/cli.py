@@ -151,11 +151,10 @@ def _load_policy(path: str | None):
 
 
 def _cmd_serve(args) -> int:
-    from lockstep.service.serve import default_db, default_storage, parse_models, run_api
+    from lockstep.service.serve import default_db, default_storage, parse_models, run_api, worker_argv
 
     policy = _load_policy(args.policy)
-    worker = None if args.no_worker else [*(f"--model={m}" for m in args.model or ()), "--job-slots", str(args.job_slots),
-                                          *(["--ray-address", args.ray_address] if args.ray_address else []),
+    worker = None if args.no_worker else [*(f"--model={m}" for m in args.model or ()), *worker_argv(args),
                                           *(["--policy", str(Path(args.policy).resolve())] if args.policy else [])]
     parse_models(args.model)
     return run_api(host=args.host, port=args.port, db=args.db or default_db(), storage=args.storage or default_storage(),
@@ -163,12 +162,11 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_worker(args) -> int:
-    from lockstep.service.serve import default_db, default_storage, parse_models, run_worker
+    from lockstep.service.serve import default_db, default_storage, parse_models, run_worker, worker_options
 
     _load_policy(args.policy)
     return run_worker(db=args.db or default_db(), storage=args.storage or default_storage(),
-                      ray_address=args.ray_address or "", models=parse_models(args.model),
-                      persist_every=args.persist_every, job_slots=args.job_slots)
+                      models=parse_models(args.model), **worker_options(args))
 
 
 def _cmd_tenants_create(args) -> int:
@@ -393,20 +391,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     _service_args(serve)
     serve.add_argument("--model", action="append", metavar="NAME=PATH", help="register a local HF model directory")
-    serve.add_argument("--ray-address", help="the worker joins this Ray cluster instead of starting one")
     serve.add_argument("--no-worker", action="store_true", help="run the API only (start workers with `lockstep worker`)")
     serve.add_argument("--max-body-mb", type=int, default=32, help="largest request body accepted")
-    serve.add_argument("--job-slots", type=int, default=1, help="jobs its worker runs at once")
     serve.add_argument("--policy", metavar="FILE", help="job policy TOML: caps, allowed env modules, per-tenant "
                                                         "overrides (default: safe built-in caps, built-in envs only)")
+    from lockstep.service.serve import add_worker_options
+
+    add_worker_options(serve.add_argument_group("its worker"))
     serve.set_defaults(func=_cmd_serve)
     worker = sub.add_parser("worker", help="a service worker: runs queued requests and jobs on the engine")
     _service_args(worker)
     worker.add_argument("--model", action="append", metavar="NAME=PATH", help="register a local HF model directory")
-    worker.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
-    worker.add_argument("--persist-every", type=int, default=1, help="optimizer steps between durable model states")
-    worker.add_argument("--job-slots", type=int, default=1, help="jobs this worker runs at once")
     worker.add_argument("--policy", metavar="FILE", help="job policy TOML (give the API's own)")
+    add_worker_options(worker)
     worker.set_defaults(func=_cmd_worker)
     tenants = sub.add_parser("tenants", help="manage tenants")
     tenants_sub = tenants.add_subparsers(dest="tenants", required=True)

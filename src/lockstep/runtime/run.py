@@ -89,15 +89,14 @@ def make_env_suite(spec: RunSpec, model_path: str):
 
 
 def start_ray(plan: Plan) -> None:
+    """Join `plan.ray_address`, or start a loopback-only Ray that dies with this process (raylocal)."""
+    from lockstep import raylocal
+
     if ray.is_initialized():
         return
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore",
                         "MKL_CBWR": os.environ.get("MKL_CBWR", "AUTO,STRICT")}}  # see engine/invariant.py
-    if plan.ray_address:
-        ray.init(address=plan.ray_address, runtime_env=env, log_to_driver=False)
-    else:
-        ray.init(num_cpus=plan.num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=False,
-                 configure_logging=False)
+    raylocal.init(plan.ray_address or "", runtime_env=env, log_to_driver=False, num_cpus=plan.num_cpus)
 
 
 def actor_name(run_dir: Path, role: str) -> str:

@@ -13,8 +13,9 @@ import datetime as dt
 from typing import Any
 
 from sqlalchemy import (JSON, BigInteger, Float, ForeignKey, Index, Integer, LargeBinary, String, Text,
-                        UniqueConstraint, create_engine, event)
+                        UniqueConstraint, create_engine, event, inspect, text)
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 
@@ -111,6 +112,8 @@ class Request(Base):
     error: Mapped[str | None] = mapped_column(Text, default=None)
     error_category: Mapped[str | None] = mapped_column(String(16), default=None)
     claimed_by: Mapped[str | None] = mapped_column(String(64), default=None)
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Claims so far; a request whose executor died under it this many times is failed, not requeued."""
     created_at: Mapped[dt.datetime] = mapped_column(default=now)
     claimed_at: Mapped[dt.datetime | None] = mapped_column(default=None)
     finished_at: Mapped[dt.datetime | None] = mapped_column(default=None)
@@ -259,4 +262,30 @@ def connect(url: str) -> tuple[Engine, sessionmaker]:
     if url.startswith("sqlite"):
         event.listen(engine, "connect", _sqlite_pragmas)
     Base.metadata.create_all(engine)
+    _add_missing_columns(engine)
     return engine, sessionmaker(engine, expire_on_commit=False)
+
+
+ADDED_COLUMNS = {"requests": ("attempts",)}
+"""Columns added after their table was first released: create_all() creates missing tables, not
+missing columns, so a store made by an older version gets them here (with their server default).
+Additive changes only; anything else would need a real migration tool (Alembic)."""
+
+
+def _add_missing_columns(engine: Engine) -> None:
+    have = inspect(engine)
+    for table, columns in ADDED_COLUMNS.items():
+        present = {c["name"] for c in have.get_columns(table)}
+        for name in columns:
+            if name in present:
+                continue
+            col = Base.metadata.tables[table].c[name]
+            ddl = f"ALTER TABLE {table} ADD COLUMN {name} {col.type.compile(engine.dialect)}"
+            if col.server_default is not None:
+                ddl += f" NOT NULL DEFAULT {col.server_default.arg}"
+            try:
+                with engine.begin() as conn:
+                    conn.execute(text(ddl))
+            except DBAPIError:  # another process (the API, a worker) added it first
+                if name not in {c["name"] for c in inspect(engine).get_columns(table)}:
+                    raise

@@ -7,14 +7,22 @@ restarts (named saves, ephemeral sampler snapshots, a model's durable state) go 
 Sampling sessions share one model skeleton per (base model, LoRA shape): before a batch, the
 skeleton's trainable parameters are pointed at the session's pinned weights (no copy), so a
 sampler stays on its snapshot while training goes on.
+
+Memory is bounded: at most `max_models` trainers, `max_sessions` pinned sampler weights and
+`max_skeletons` sampler skeletons are held, the least recently used dropped first. A dropped
+trainer is rebuilt by the executor's replay (durable state + the finished requests after it), a
+dropped session is reopened from storage, a dropped skeleton is built again.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import shutil
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
+
+log = logging.getLogger("lockstep.host")
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -38,19 +46,42 @@ def lora_spec(cfg: dict | None):
     return LoraSpec(rank=int(cfg["rank"]), alpha=float(cfg["rank"]), target_modules=targets, seed=int(cfg.get("seed") or 0))
 
 
+class Lru(OrderedDict):
+    """A dict of at most `capacity` entries: reading one (`use`) makes it the newest, adding one
+    past capacity drops the oldest."""
+
+    def __init__(self, capacity: int, what: str):
+        super().__init__()
+        self.capacity, self.what = max(1, capacity), what
+
+    def use(self, key):
+        self.move_to_end(key)
+        return self[key]
+
+    def put(self, key, value) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.capacity:
+            old, _ = self.popitem(last=False)
+            log.info("dropped %s %s from memory (least recently used of %d)", self.what, old, self.capacity)
+
+
 class EngineHost:
-    def __init__(self, storage_url: str, cache_dir: str, threads: int):
+    def __init__(self, storage_url: str, cache_dir: str, threads: int, *, max_models: int = 8,
+                 max_sessions: int = 32, max_skeletons: int = 4, fetch_cache_bytes: int = 4 << 30):
         import torch
 
-        from lockstep.service.storage import Storage
+        from lockstep.service.storage import FetchCache, Storage
 
         torch.set_num_threads(threads)
         self.storage = Storage(storage_url)
         self.cache = Path(cache_dir)
         self.cache.mkdir(parents=True, exist_ok=True)
-        self.trainers: dict = {}
-        self.skeletons: dict = {}
-        self.sessions: dict = {}
+        self.fetched = FetchCache(self.storage, self.cache / "fetched", fetch_cache_bytes)
+        self.trainers = Lru(max_models, "model")
+        self.skeletons = Lru(max_skeletons, "sampler skeleton")
+        """One per (base model, LoRA shape), rebuilt on demand."""
+        self.sessions = Lru(max_sessions, "sampling session")
 
     # -- models ----------------------------------------------------------------------------------
     def has_model(self, model_id: str) -> bool:
@@ -62,12 +93,12 @@ class EngineHost:
     def _trainer(self, model_id: str):
         if model_id not in self.trainers:
             raise HostError(f"model {model_id} is not loaded")
-        return self.trainers[model_id]
+        return self.trainers.use(model_id)
 
     def create_model(self, model_id: str, base_path: str, lora: dict | None) -> dict:
         from lockstep.engine.trainer import Trainer
 
-        self.trainers[model_id] = Trainer.from_pretrained(base_path, lora=lora_spec(lora))
+        self.trainers.put(model_id, Trainer.from_pretrained(base_path, lora=lora_spec(lora)))
         return {"model_id": model_id, "type": "create_model"}
 
     def restore_state(self, model_id: str, base_path: str, lora: dict | None, storage_path: str,
@@ -75,10 +106,18 @@ class EngineHost:
         """(Re)build a model from a saved state: create-via-load, or recovery after a restart."""
         from lockstep.engine.trainer import Trainer
 
-        local = self.storage.fetch_dir(storage_path, self.cache)
-        if model_id not in self.trainers:
-            self.trainers[model_id] = Trainer.from_pretrained(base_path, lora=lora_spec(lora))
-        self.trainers[model_id].load_state(local, optimizer=optimizer)
+        trainer = self.trainers.get(model_id)
+        if trainer is None:
+            trainer = Trainer.from_pretrained(base_path, lora=lora_spec(lora))
+        with self._fetch(storage_path) as local:
+            trainer.load_state(local, optimizer=optimizer)
+        self.trainers.put(model_id, trainer)
+
+    def _fetch(self, key: str):
+        """A local copy of a saved state; one that is gone (deleted, expired) is the user's error."""
+        if not self.storage.has_dir(key):
+            raise HostError(f"the saved weights at {key.rsplit('/', 1)[-1]} no longer exist (deleted or expired)")
+        return self.fetched.fetch(key)
 
     def forward_backward(self, model_id: str, body: bytes, forward_only: bool) -> tuple[bytes, int]:
         from lockstep.engine.types import Datum, EngineError
@@ -98,8 +137,13 @@ class EngineHost:
     def optim_step(self, model_id: str, adam: dict) -> dict:
         from lockstep.engine.types import AdamParams, EngineError
 
+        trainer = self._trainer(model_id)
         try:
-            metrics = self._trainer(model_id).optim_step(AdamParams(**adam))
+            params = AdamParams(**adam)
+        except TypeError as e:
+            raise HostError(f"adam_params: {e}") from None
+        try:
+            metrics = trainer.optim_step(params)
         except EngineError as e:
             raise HostError(str(e)) from None
         return {"metrics": metrics, "type": "optim_step"}
@@ -116,34 +160,37 @@ class EngineHost:
             return self.storage.put_dir(path, key)
 
     # -- sampling --------------------------------------------------------------------------------
-    def _skeleton(self, base_path: str, lora: dict | None):
-        """One model + sampler per (base model, LoRA shape); returns its key."""
+    def _skeleton(self, base_path: str, lora: dict | None) -> tuple:
+        """(trainer, sampler, original weights): one per (base model, LoRA shape), not per LoRA seed
+        (the seed only sets initial values, which a session's pinned weights replace)."""
         from lockstep.engine.sampler import Sampler
         from lockstep.engine.trainer import Trainer
 
-        key = (base_path, json.dumps(lora if lora and lora.get("rank") else None, sort_keys=True))
+        spec = lora_spec(lora)
+        key = (base_path, None if spec is None else (spec.rank, spec.alpha, tuple(spec.target_modules)))
         if key not in self.skeletons:
-            t = Trainer.from_pretrained(base_path, lora=lora_spec(lora))
-            original = {n: p.data for n, p in t.params.items()}
-            self.skeletons[key] = (t, Sampler(t.model, t.tokenizer), original)
-        return key
+            t = Trainer.from_pretrained(base_path, lora=spec)
+            self.skeletons.put(key, (t, Sampler(t.model, t.tokenizer), {n: p.data for n, p in t.params.items()}))
+        return self.skeletons.use(key)
 
     def open_session(self, session_id: str, base_path: str, lora: dict | None, weights_key: str | None) -> None:
         """Pin a sampling session to weights in storage (None: the base model itself)."""
         if session_id in self.sessions:
             return
-        key = self._skeleton(base_path, lora)
-        trainer, _sampler, original = self.skeletons[key]
-        weights = original if weights_key is None else _load_weights(self.storage.fetch_dir(weights_key, self.cache), trainer)
-        self.sessions[session_id] = (key, weights)
+        trainer, _sampler, original = self._skeleton(base_path, lora)
+        if weights_key is None:
+            weights = original
+        else:
+            with self._fetch(weights_key) as local:
+                weights = _load_weights(local, trainer)
+        self.sessions.put(session_id, (base_path, lora, weights))
 
     def snapshot_session(self, model_id: str, session_id: str, key: str, base_path: str, lora: dict | None) -> int:
         """An ephemeral sampler on the model's current weights: persisted (for restarts), then
         pinned to a copy; returns the bytes written."""
         trainer = self._trainer(model_id)
         size = self.save_state(model_id, key, optimizer=False)
-        skel = self._skeleton(base_path, lora)
-        self.sessions[session_id] = (skel, {n: p.detach().clone() for n, p in trainer.params.items()})
+        self.sessions.put(session_id, (base_path, lora, {n: p.detach().clone() for n, p in trainer.params.items()}))
         return size
 
     def has_session(self, session_id: str) -> bool:
@@ -155,8 +202,8 @@ class EngineHost:
 
         if session_id not in self.sessions:
             raise HostError(f"sampling session {session_id} is not open")
-        skel_key, weights = self.sessions[session_id]
-        trainer, sampler, _ = self.skeletons[skel_key]
+        base_path, lora, weights = self.sessions.use(session_id)
+        trainer, sampler, _ = self._skeleton(base_path, lora)
         for name, p in trainer.params.items():
             p.data = weights[name]
         p = body["sampling_params"]

@@ -251,10 +251,17 @@ def usage(request: Request, t: Tenant = TENANT) -> dict:
 
 @router.get("/health")
 def health(request: Request) -> dict:
-    """Liveness, and what a client may wait for: registered base models and live workers."""
-    from lockstep.service.db import BaseModelEntry, Endpoint
+    """Liveness, and what a client may wait for: registered base models and live workers (those
+    whose lease is current: a dead worker's endpoint row stays behind until the janitor's sweep)."""
+    import datetime as dt
+
+    from lockstep.service.db import BaseModelEntry, Endpoint, now
+    from lockstep.service.types import WORKER_LEASE_S
 
     with db(request) as s:
         models = s.scalar(select(func.count()).select_from(BaseModelEntry))
-        workers = s.scalar(select(func.count()).select_from(Endpoint).where(Endpoint.role == "worker"))
-    return {"status": "ok", "torch_loaded": "torch" in sys.modules, "base_models": models, "workers": workers}
+        live = list(s.execute(select(Endpoint.id, Endpoint.last_seen).where(
+            Endpoint.role == "worker", Endpoint.last_seen >= now() - dt.timedelta(seconds=WORKER_LEASE_S))
+            .order_by(Endpoint.id)))
+    return {"status": "ok", "torch_loaded": "torch" in sys.modules, "base_models": models, "workers": len(live),
+            "live_workers": [{"id": w.id, "last_seen": w.last_seen.isoformat() + "Z"} for w in live]}

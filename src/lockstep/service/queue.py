@@ -46,6 +46,8 @@ class Claimed:
     seq_id: int | None
     sampling_session_id: str | None
     payload: bytes
+    attempts: int
+    """This claim included: how many executors have taken it."""
 
 
 _BY_MODEL_SEQ = select(_R.c.id, _R.c.kind, _R.c.payload_sha).where(
@@ -60,9 +62,9 @@ _RUNNABLE_SAMPLING = (select(_R.c.id, _R.c.order, _R.c.model_id, _R.c.seq_id, _R
                       .where(_R.c.state == _QUEUED, _R.c.kind == RequestKind.SAMPLE.value)
                       .order_by(_R.c.order).limit(bindparam("n")))
 _CLAIM = (update(_R).where(and_(_R.c.id == bindparam("rid"), _R.c.state == _QUEUED))
-          .values(state=_RUNNING, claimed_by=bindparam("worker"), claimed_at=bindparam("at"))
+          .values(state=_RUNNING, claimed_by=bindparam("worker"), claimed_at=bindparam("at"), attempts=_R.c.attempts + 1)
           .returning(_R.c.id, _R.c.tenant_id, _R.c.kind, _R.c.model_id, _R.c.seq_id, _R.c.sampling_session_id,
-                     _R.c.payload))
+                     _R.c.payload, _R.c.attempts))
 # Fenced: only the claimant of a still-running request finishes it, so an executor whose claim was
 # requeued behind its back (it outlived its lease) cannot write a result the requeued run also writes.
 _FINISH = (update(_R).where(_R.c.id == bindparam("rid"), _R.c.state == _RUNNING, _R.c.claimed_by == bindparam("worker"))
@@ -164,22 +166,40 @@ def finish(session, req_id: str, worker_id: str, *, result: bytes | None = None,
     return True
 
 
-def requeue_abandoned(session, worker_id: str | None = None) -> int:
+MAX_ATTEMPTS = 3
+"""Default: executors a request may take down (each death requeues it) before it is failed."""
+
+
+def requeue_abandoned(session, worker_id: str | None = None, max_attempts: int = MAX_ATTEMPTS) -> int:
     """Running requests of a dead worker (or of any worker, at start-up) go back to the queue;
-    the worker restores model state first, so nothing is applied twice (see worker.recover)."""
-    return _requeue(session, *(() if worker_id is None else (Request.claimed_by == worker_id,)))
+    the worker restores model state first, so nothing is applied twice (see executor.ensure_model)."""
+    return _requeue(session, max_attempts, *(() if worker_id is None else (Request.claimed_by == worker_id,)))
 
 
-def requeue_expired(session, lease_s: float) -> int:
+def requeue_expired(session, lease_s: float, max_attempts: int = MAX_ATTEMPTS) -> int:
     """Running requests whose claimant has not renewed its lease (its endpoint's last_seen) for
     `lease_s` seconds go back to the queue: it died mid-request after the start-up requeue."""
     live = select(Endpoint.id).where(Endpoint.role == "worker",
                                      Endpoint.last_seen >= now() - dt.timedelta(seconds=lease_s))
-    return _requeue(session, Request.claimed_by.not_in(live))
+    return _requeue(session, max_attempts, Request.claimed_by.not_in(live))
 
 
-def _requeue(session, *where) -> int:
-    res = session.execute(update(Request).where(Request.state == RequestState.RUNNING.value, *where)
+def _requeue(session, max_attempts: int, *where) -> int:
+    """Requeue, except a request already claimed `max_attempts` times: it has taken down every
+    executor that ran it, and requeued it would take down the next one and stop its model's
+    queue; it fails (and its model's later requests run), like any failed request."""
+    running = (Request.state == RequestState.RUNNING.value, *where)
+    at = now()
+    doomed = session.execute(
+        update(Request).where(*running, Request.attempts >= max_attempts)
+        .values(state=RequestState.FAILED.value, error_category="server", finished_at=at,
+                error=f"the executor died while running this request, {max_attempts} times out of "
+                      f"{max_attempts}; it is failed so that nothing else waits on it")
+        .returning(Request.model_id, Request.seq_id, Request.kind)).all()
+    for row in doomed:
+        if row.seq_id is not None and row.model_id is not None and row.kind != RequestKind.SAMPLE.value:
+            session.execute(_ADVANCE, {"mid": row.model_id, "seq": row.seq_id, "at": at})
+    res = session.execute(update(Request).where(*running)
                           .values(state=RequestState.QUEUED.value, claimed_by=None, claimed_at=None))
     session.commit()
     return res.rowcount

@@ -12,7 +12,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+
+log = logging.getLogger("lockstep.serve")
 
 
 def service_home() -> Path:
@@ -39,39 +43,147 @@ def parse_models(items) -> dict:
     return out
 
 
+WORKER_GRACE_S = 20.0
+"""How long a stopping `lockstep serve` waits for its worker to stop cleanly before killing it; with
+uvicorn's own 5 s and the guardian's sweep, everything is gone well within 30 s."""
+
+
+class WorkerChild:
+    """`lockstep serve`'s worker process, restarted when it dies (after 1 s, doubling up to 60 s
+    while it keeps dying within a minute of its start)."""
+
+    MAX_PAUSE_S = 60.0
+    STABLE_S = 60.0
+
+    def __init__(self, argv: list):
+        self.argv = argv
+        self.proc: subprocess.Popen | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="worker-restarter", daemon=True)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        pause, started = 1.0, time.monotonic()
+        while not self._stopping.wait(0.5):
+            code = self.proc.poll()
+            if code is None:
+                if time.monotonic() - started > self.STABLE_S:
+                    pause = 1.0
+                continue
+            log.warning("the worker (pid %d) exited with status %s; restarting it in %.0f s", self.proc.pid, code, pause)
+            if self._stopping.wait(pause):
+                return
+            self.proc, started = subprocess.Popen(self.argv), time.monotonic()
+            log.info("restarted the worker: pid %d", self.proc.pid)
+            pause = min(2 * pause, self.MAX_PAUSE_S)
+
+    def stop(self, grace_s: float = WORKER_GRACE_S) -> None:
+        """SIGTERM (the worker finishes the request in hand, preempts its jobs), then SIGKILL; its
+        guardian then kills whatever it had started."""
+        self._stopping.set()
+        self._thread.join()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("the worker did not stop within %.0f s; killing it", grace_s)
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _exit_on_sigterm() -> None:
+    """uvicorn handles SIGTERM itself, then re-raises it to the previous handler once it has shut
+    down; with the default handler that killed this process before it could stop its worker."""
+
+    def handler(signum, _frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def run_api(*, host: str, port: int, db: str, storage: str, max_body_mb: int, worker_args: list | None,
             policy=None) -> int:
     import uvicorn
 
+    from lockstep import raylocal
     from lockstep.service.app import ServiceConfig, create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(ServiceConfig(db_url=db, storage_url=storage, max_body_bytes=max_body_mb * 1024 * 1024,
                                    policy=policy))
+    _exit_on_sigterm()
     child = None
     if worker_args is not None:
-        child = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "worker", "--db", db, "--storage", storage,
-                                  *worker_args])
+        raylocal.guard()  # the worker, and all it starts, die with this process
+        child = WorkerChild([sys.executable, "-m", "lockstep.cli", "worker", "--db", db, "--storage", storage,
+                             *worker_args])
+        child.start()
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if child is not None:
-            child.send_signal(signal.SIGTERM)
-            try:
-                child.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                child.kill()
+            child.stop()
     return 0
 
 
-def run_worker(*, db: str, storage: str, ray_address: str, models: dict, persist_every: int, job_slots: int = 1) -> int:
-    from lockstep.service.worker import Worker, WorkerConfig
+def run_worker(*, db: str, storage: str, **options) -> int:
+    from lockstep.service.types import WorkerConfig
+    from lockstep.service.worker import Worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    worker = Worker(WorkerConfig(db_url=db, storage_url=storage, home=str(service_home() / "worker"),
-                                 ray_address=ray_address, models=models, persist_every=persist_every,
-                                 job_slots=job_slots))
+    worker = Worker(WorkerConfig(db_url=db, storage_url=storage, home=str(service_home() / "worker"), **options))
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    signal.signal(signal.SIGINT, lambda *_: worker.stop())  # Ctrl-C on `lockstep serve` reaches its worker too
     worker.start()
     worker.serve_forever()
     return 0
+
+
+WORKER_OPTIONS = (  # (flag, WorkerConfig field, type, help): shared by `lockstep worker` and `lockstep serve`
+    ("--ray-address", "ray_address", str, "join this Ray cluster instead of starting a loopback-only one "
+                                          "(see docs/architecture.md, Security model)"),
+    ("--persist-every", "persist_every", int, "optimizer steps between durable model states"),
+    ("--job-slots", "job_slots", int, "jobs the worker runs at once"),
+    ("--max-attempts", "max_attempts", int, "executor crashes a request may cause before it is failed"),
+    ("--max-models", "max_models", int, "trainers kept in memory (least recently used rebuilt on demand)"),
+    ("--max-samplers", "max_sessions", int, "sampling sessions' weights kept in memory"),
+    ("--fetch-cache-mb", "fetch_cache_bytes", int, "local cache of downloaded saved states, in MiB"),
+    ("--janitor-every", "janitor_every_s", float, "seconds between deletions of expired checkpoints"),
+    ("--session-ttl", "session_ttl_s", float, "seconds after a session's last heartbeat its sampler snapshots "
+                                              "are deleted"),
+)
+
+
+def add_worker_options(parser) -> None:
+    from lockstep.service.types import WorkerConfig
+
+    defaults = WorkerConfig(db_url="", storage_url="", home="")
+    for flag, name, kind, text in WORKER_OPTIONS:
+        default = getattr(defaults, name)
+        if name == "fetch_cache_bytes":
+            default //= 1 << 20
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})" if default != "" else text)
+
+
+def worker_options(args) -> dict:
+    """WorkerConfig fields from parsed options."""
+    out = {name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _, _ in WORKER_OPTIONS}
+    out["fetch_cache_bytes"] = int(out["fetch_cache_bytes"]) << 20
+    out["ray_address"] = out["ray_address"] or ""
+    return out
+
+
+def worker_argv(args) -> list:
+    """The same options, as `lockstep worker` arguments (what `lockstep serve` starts its worker with)."""
+    out = []
+    for flag, _, _, _ in WORKER_OPTIONS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value not in (None, ""):
+            out += [flag, str(value)]
+    return out

@@ -8,14 +8,25 @@ trusts only directories with a manifest never sees a torn upload.
 
 from __future__ import annotations
 
+import os
 import posixpath
 import shutil
 import tempfile
+import threading
+import uuid
+from collections import Counter, OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
 
 import fsspec
 
 MANIFEST = "MANIFEST.json"
+
+
+def unique_key(parent: str, leaf: str) -> str:
+    """`parent/<new id>/leaf`, a key no save has used before: a save never replaces an object in
+    place, so no cached copy of an older save can be served for a newer one under the same name."""
+    return f"{parent}/{uuid.uuid4().hex[:12]}/{leaf}"
 
 
 class Storage:
@@ -71,26 +82,18 @@ class Storage:
             self.fs.get_file(remote, str(dst))
         return local
 
-    def fetch_dir(self, key: str, cache: str | Path) -> Path:
-        """A local copy of a committed directory, cached under `cache` by key."""
-        cache = Path(cache)
-        dst = cache / key
-        if (dst / MANIFEST).is_file():
-            return dst
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".fetch-"))
-        tmp.rmdir()
-        self.get_dir(key, tmp)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
-        return dst
-
     def delete(self, key: str) -> None:
         target = self.path(key)
         if self.fs.exists(target):
             self.fs.rm(target, recursive=True)
+        if self.local:  # and the directories the key alone used (object stores have none)
+            for parent in Path(target).parents:
+                if parent == Path(self.root) or not parent.is_relative_to(self.root):
+                    break
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
 
     # -- files (artifacts) -----------------------------------------------------------------------
     def put_file(self, local: str | Path, key: str) -> None:
@@ -109,3 +112,101 @@ class Storage:
         if self.fs.isdir(target):
             return sum(self.fs.size(f) for f in self.fs.find(target))
         return self.fs.size(target)
+
+
+class FetchCache:
+    """Local copies of committed storage directories, at most `max_bytes` of them (the one being
+    read may exceed it on its own), the least recently used evicted first; a copy in use (inside
+    `fetch`) is never evicted. Keys are unique per save (`unique_key`), so a cached copy is never
+    stale. Written by hand: fsspec's caching filesystems cache single files with no size bound.
+    """
+
+    def __init__(self, storage: Storage, root: str | Path, max_bytes: int):
+        self.storage, self.root, self.max_bytes = storage, Path(root), max_bytes
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._in_use: Counter = Counter()
+        self._sizes: OrderedDict[str, int] = OrderedDict(self._scan())
+        """key -> bytes, least recently used first."""
+
+    def _scan(self) -> list[tuple[str, int]]:
+        """Copies left by a previous process, least recently used first (`fetch` touches the
+        manifest); its unfinished downloads are removed."""
+        for tmp in self.root.glob(".fetch-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        found = []
+        for manifest in self.root.rglob(MANIFEST):
+            d = manifest.parent
+            if any(part.startswith(".") for part in d.relative_to(self.root).parts):
+                continue  # an unfinished download
+            found.append((manifest.stat().st_mtime, d.relative_to(self.root).as_posix(), _du(d)))
+        return [(key, size) for _, key, size in sorted(found)]
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._sizes.values())
+
+    def keys(self) -> list[str]:
+        return list(self._sizes)
+
+    @contextmanager
+    def fetch(self, key: str):
+        """A local copy of `key`, held for the `with` block. Downloads are serialised (the lock is
+        held through one), so two readers never race on one copy."""
+        with self._lock:
+            if key in self._sizes:
+                self._sizes.move_to_end(key)
+                os.utime(self.root / key / MANIFEST)
+            else:
+                self._sizes[key] = _du(self._download(key))
+            self._in_use[key] += 1
+            self._evict()
+        try:
+            yield self.root / key
+        finally:
+            with self._lock:
+                self._in_use[key] -= 1
+                if not self._in_use[key]:
+                    del self._in_use[key]
+                self._evict()
+
+    def _download(self, key: str) -> Path:
+        dst = self.root / key
+        if not dst.resolve().is_relative_to(self.root.resolve()):
+            raise ValueError(f"storage key {key!r} leaves the cache directory")
+        tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=".fetch-"))
+        try:
+            tmp.rmdir()
+            self.storage.get_dir(key, tmp)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if dst.exists():  # a copy this process lost track of
+                shutil.rmtree(dst)
+            tmp.rename(dst)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return dst
+
+    def _evict(self) -> None:
+        total = self.bytes
+        for key in list(self._sizes):
+            if total <= self.max_bytes:
+                break
+            if self._in_use[key]:
+                continue
+            total -= self._sizes.pop(key)
+            shutil.rmtree(self.root / key, ignore_errors=True)
+            self._prune(self.root / key)
+
+    def _prune(self, path: Path) -> None:
+        """Remove the key's now-empty parent directories, up to the root."""
+        for parent in path.parents:
+            if parent == self.root or not parent.is_relative_to(self.root):
+                break
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+
+
+def _du(path: Path) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)

@@ -8,6 +8,7 @@ results back (see docs/architecture.md, "Service").
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
 
 
 class ServiceError(Exception):
@@ -137,3 +138,43 @@ def check_loss(name: str, config: dict) -> None:
     unknown = sorted(set(config) - allowed)
     if unknown:
         raise ServiceError(f"loss {name!r} does not take config keys {unknown}; it takes {sorted(allowed)}")
+
+
+WORKER_LEASE_S = 15.0
+"""A worker whose executor has not renewed its endpoint's last_seen for this long is dead: its
+claims are requeued and /v1/health stops counting it (renewed every couple of seconds)."""
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """A worker's settings (`lockstep worker` / `lockstep serve` options); the supervisor hands
+    them to its Executor."""
+
+    db_url: str
+    storage_url: str
+    home: str
+    """Local working directory (fetch cache, temp files)."""
+    ray_address: str = ""
+    """Join this Ray cluster; empty: start a loopback-only one on this machine."""
+    models: dict = field(default_factory=dict)
+    """Extra base models: name -> local Hugging Face directory."""
+    threads: int = 0
+    """Torch threads of the engine host (0: every core)."""
+    persist_every: int = 1
+    """Optimizer steps between durable model states (0: never; recovery then replays from creation)."""
+    job_slots: int = 1
+    """Jobs this worker's Ray node runs at once (the `lockstep_job_slots` resource)."""
+    idle_poll_s: float = 0.25
+    max_attempts: int = 3
+    """Executor deaths a request may cause before it is failed instead of requeued."""
+    max_models: int = 8
+    """Trainers held in memory; the least recently used beyond it is dropped and rebuilt on demand."""
+    max_sessions: int = 32
+    """Sampling sessions' pinned weights held in memory, likewise."""
+    fetch_cache_bytes: int = 4 << 30
+    """Local copies of saved states kept for reuse (least recently used evicted beyond it)."""
+    janitor_every_s: float = 30.0
+    """How often expired checkpoints and abandoned sessions' sampler snapshots are deleted."""
+    session_ttl_s: float = 86400.0
+    """A session's ephemeral sampler snapshots are deleted this long after its last heartbeat (or
+    once it is finished)."""

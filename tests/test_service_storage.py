@@ -1,0 +1,201 @@
+"""Storage you can trust: unique keys per save, a bounded fetch cache, the janitor (ttl_seconds,
+abandoned sessions), and the engine host's bounded memory (an evicted model is rebuilt exactly)."""
+
+import datetime as dt
+import sqlite3
+import time
+from contextlib import closing
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from lockstep.service.storage import FetchCache, Storage
+from test_service_sdk import logprobs, make_server, reference_logprobs, sft_datum
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
+
+
+def committed_dir(root: Path, name: str, size: int) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "blob.bin").write_bytes(b"x" * size)
+    (d / "MANIFEST.json").write_text("{}")
+    return d
+
+
+def test_fetch_cache_is_bounded_least_recently_used_first_and_never_evicts_what_is_in_use(tmp_path):
+    storage = Storage(str(tmp_path / "storage"))
+    for name in "abcd":
+        storage.put_dir(committed_dir(tmp_path / "src", name, 1000), f"k/{name}")
+    cache = FetchCache(storage, tmp_path / "cache", max_bytes=2500)  # room for two copies
+    for name in "ab":
+        with cache.fetch(f"k/{name}") as local:
+            assert (local / "blob.bin").stat().st_size == 1000
+    with cache.fetch("k/a"):  # a is now the most recently used
+        pass
+    with cache.fetch("k/c"):
+        pass
+    assert cache.keys() == ["k/a", "k/c"] and not (tmp_path / "cache" / "k" / "b").exists()
+    assert cache.bytes <= 2500
+    with cache.fetch("k/a") as held:  # in use: fetching two more must not remove it
+        with cache.fetch("k/b"), cache.fetch("k/d"):
+            assert (held / "blob.bin").read_bytes() == b"x" * 1000
+        assert (held / "blob.bin").is_file()
+    assert cache.bytes <= 2500 and len(cache.keys()) == 2
+    # A new process finds what the last one left, within the bound, oldest first.
+    again = FetchCache(storage, tmp_path / "cache", max_bytes=1500)
+    with again.fetch("k/c"):
+        pass
+    assert again.keys() == ["k/c"]
+
+
+def test_engine_host_holds_a_bounded_number_of_models_sessions_and_skeletons(tmp_path, builtin_dir):
+    """Each tenant's model may have its own LoRA seed: sampler skeletons are per LoRA shape, not
+    per seed (one per seed grew memory with every model), and every table is an LRU."""
+    from lockstep.service.host import EngineHost
+
+    host = EngineHost(str(tmp_path / "storage"), str(tmp_path / "cache"), 1, max_models=2, max_sessions=2,
+                      max_skeletons=1)
+    for seed in range(3):
+        host.create_model(f"m{seed}", builtin_dir, {"rank": 4, "seed": seed})
+        host.snapshot_session(f"m{seed}", f"s{seed}", f"snap/{seed}", builtin_dir, {"rank": 4, "seed": seed})
+    assert list(host.trainers) == ["m1", "m2"] and list(host.sessions) == ["s1", "s2"]
+    prompt = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]}, "num_samples": 1,
+              "sampling_params": {"max_tokens": 2, "temperature": 0.0}}
+    host.sample("s2", prompt)
+    host.sample("s1", prompt)
+    assert list(host.sessions) == ["s2", "s1"]  # used: now the newest
+    assert len(host.skeletons) == 1  # two seeds, one shape
+
+
+def store(srv):
+    return closing(sqlite3.connect(srv.db.removeprefix("sqlite:///"), timeout=30))
+
+
+def wait_until(pred, timeout: float = 60, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def tight(tmp_path_factory):
+    """A server whose host holds one trainer and one sampler, whose fetch cache holds 1 MiB, and
+    whose janitor runs every second."""
+    srv = make_server(tmp_path_factory.mktemp("tight"))
+    srv.keys = {"dana": srv.key("dana")}
+    srv.start("--max-models", "1", "--max-samplers", "1", "--janitor-every", "1", "--fetch-cache-mb", "1")
+    yield srv
+    srv.stop()
+
+
+def test_models_evicted_from_memory_continue_bit_for_bit(tight, builtin_dir):
+    """Two models trained in turn on a host that holds one: each is dropped and rebuilt (durable
+    state + replay) at every switch, and ends exactly where an uninterrupted run does."""
+    sc = tinker.ServiceClient(base_url=tight.url, api_key=tight.keys["dana"])
+    a = sc.create_lora_training_client(base_model="lockstep/tiny", rank=4, seed=5).result()
+    b = sc.create_lora_training_client(base_model="lockstep/tiny", rank=4, seed=6).result()
+    tok = a.get_tokenizer()
+    data = [sft_datum(tok, f"{x}+{y}=", f"{x + y:02d}") for x in range(4) for y in range(4)]
+    adam = types.AdamParams(learning_rate=1e-2)
+    for _ in range(3):
+        for tc in (a, b):  # a forward_backward waits in memory for its optim_step across a switch
+            tc.forward_backward(data, "cross_entropy").result()
+        for tc in (a, b):
+            tc.optim_step(adam).result()
+    got = {seed: logprobs(tc.forward(data, "cross_entropy").result()) for seed, tc in ((5, a), (6, b))}
+    for seed in (5, 6):
+        want = reference_logprobs(builtin_dir, data, steps=3, lr=1e-2, seed=seed)
+        assert all((x == y).all() for x, y in zip(got[seed], want))
+    # Samplers too: two snapshots alternately, each reopened from storage after an eviction.
+    s1, s2 = a.save_weights_and_get_sampling_client(), b.save_weights_and_get_sampling_client()
+    prompt = types.ModelInput.from_ints(tok.encode("1+2=03"))
+    first = [s.compute_logprobs(prompt).result() for s in (s1, s2)]
+    again = [s.compute_logprobs(prompt).result() for s in (s1, s2)]
+    assert first == again and first[0] != first[1]
+
+
+def test_overwrite_then_load_gives_the_new_weights(tight):
+    """A name saved, loaded (so a copy sits in the worker's fetch cache), trained on and saved
+    again with overwrite=True: loading it gives the new weights, not the cached old ones."""
+    sc = tinker.ServiceClient(base_url=tight.url, api_key=tight.keys["dana"])
+    tc = sc.create_lora_training_client(base_model="lockstep/tiny", rank=4, seed=3).result()
+    tok = tc.get_tokenizer()
+    data = [sft_datum(tok, f"{x}+{x}=", f"{2 * x:02d}") for x in range(8)]
+    path = tc.save_state("same").result().path
+    old = logprobs(sc.create_training_client_from_state(path).result().forward(data, "cross_entropy").result())
+    for _ in range(2):
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert tc.save_state("same", overwrite=True).result().path == path
+    new = logprobs(tc.forward(data, "cross_entropy").result())
+    loaded = logprobs(sc.create_training_client_from_state(path).result().forward(data, "cross_entropy").result())
+    assert all((a == b).all() for a, b in zip(loaded, new))
+    assert not all((a == b).all() for a, b in zip(loaded, old))
+    with store(tight) as con:
+        keys = [k for (k,) in con.execute("select storage_path from checkpoints where name = 'same'")]
+    saves = list((Path(tight.storage) / keys[0]).parents[2].iterdir())  # checkpoints/<tenant>/<model>/<save id>/...
+    assert len(keys) == 1 and len(saves) == 1  # the old copy is gone
+
+
+def test_an_expired_checkpoint_is_deleted_and_its_path_is_a_404(tight):
+    sc = tinker.ServiceClient(base_url=tight.url, api_key=tight.keys["dana"])
+    tc = sc.create_lora_training_client(base_model="lockstep/tiny", rank=4, seed=1).result()
+    kept = tc.save_state("kept").result().path
+    brief = tc.save_state("brief", ttl_seconds=3600).result().path
+    with store(tight) as con:
+        key, expires = con.execute("select storage_path, expires_at from checkpoints where name = 'brief'").fetchone()
+        left = dt.datetime.fromisoformat(expires) - dt.datetime.utcnow()
+        assert dt.timedelta(minutes=59) < left <= dt.timedelta(hours=1)
+        assert (Path(tight.storage) / key / "MANIFEST.json").is_file()
+        with con:  # an hour later
+            con.execute("update checkpoints set expires_at = ? where name = 'brief'",
+                        ((dt.datetime.utcnow() - dt.timedelta(seconds=1)).isoformat(sep=" "),))
+    rest = sc.create_rest_client()
+    wait_until(lambda: [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
+               == ["weights/kept"], timeout=30, what="the janitor")
+    assert not (Path(tight.storage) / key).exists()
+    r = httpx.post(f"{tight.url}/api/v1/weights_info", headers={"X-API-Key": tight.keys["dana"]},
+                   json={"tinker_path": brief})
+    assert r.status_code == 404
+    with pytest.raises(Exception, match="404|no checkpoint"):
+        sc.create_training_client_from_state(brief).result()
+    assert sc.create_training_client_from_state(kept).result().model_id  # the other one is untouched
+
+
+def test_sampling_sessions_of_ended_sessions_are_deleted(tight):
+    """A finished session's sampler snapshots go (rows, then storage); so do the samplers of a
+    session whose heartbeats stopped longer than the TTL ago."""
+    headers = {"X-API-Key": tight.keys["dana"]}
+    sc = tinker.ServiceClient(base_url=tight.url, api_key=tight.keys["dana"])
+    tc = sc.create_lora_training_client(base_model="lockstep/tiny", rank=4, seed=2).result()
+    sampler = tc.save_weights_and_get_sampling_client()
+    prompt = types.ModelInput.from_ints([5, 6, 7])
+    sampler.compute_logprobs(prompt).result()  # it exists and samples
+    with store(tight) as con:
+        sid, key = con.execute("select session_id, weights_path from sampling_sessions where id like ?",
+                               (tc.model_id + ":%",)).fetchone()
+    assert key.startswith("ephemeral/") and (Path(tight.storage) / key / "MANIFEST.json").is_file()
+    quiet = httpx.post(f"{tight.url}/api/v1/create_session", headers=headers, json={"tags": [], "sdk_version": "x"}).json()
+    r = httpx.post(f"{tight.url}/api/v1/create_sampling_session", headers=headers,
+                   json={"session_id": quiet["session_id"], "sampling_session_seq_id": 0, "base_model": "lockstep/tiny"})
+    quiet_sampler = r.json()["sampling_session_id"]
+    with store(tight) as con, con:  # its last heartbeat was two days ago
+        con.execute("update sessions set last_heartbeat = ? where id = ?",
+                    ((dt.datetime.utcnow() - dt.timedelta(days=2)).isoformat(sep=" "), quiet["session_id"]))
+    assert httpx.post(f"{tight.url}/api/v1/sessions/{sid}/finish", headers=headers, json={}).status_code == 200
+    wait_until(lambda: not (Path(tight.storage) / key).exists(), timeout=30, what="the snapshot's deletion")
+    with store(tight) as con:
+        left = {row[0] for row in con.execute("select id from sampling_sessions where session_id in (?, ?)",
+                                              (sid, quiet["session_id"]))}
+    assert left == set(), left
+    assert httpx.get(f"{tight.url}/api/v1/samplers/{quiet_sampler}", headers=headers).status_code == 404
+    with pytest.raises(Exception, match="404|unknown sampling"):
+        sampler.compute_logprobs(prompt).result()
