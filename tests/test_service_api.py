@@ -430,3 +430,16 @@ def test_concurrent_model_creation_stops_at_the_quota(tmp_path, builtin_dir, sto
     with sessions() as s:
         made = s.scalar(select(func.count()).select_from(Model).where(Model.tenant_id == tenant.id))
     assert sorted(codes) == [200] * 3 + [429] * 13 and made == 3, (codes, made)
+
+
+def test_a_trailing_newline_does_not_pass_for_a_name(tmp_path):
+    """`$` matches before a final newline: 'ck\\n' passed as a checkpoint name (a storage key)."""
+    from lockstep.service.types import ServiceError
+
+    for name in ("ck\n", "ck\n\n", "ck/..", "..", "../ck", ""):
+        with pytest.raises(ServiceError, match="use 1-128 letters"):
+            wire.check_name(name, "checkpoint name")
+    assert wire.check_name("ck.v1:final-2", "checkpoint name") == "ck.v1:final-2"
+    _, sessions = connect(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    with sessions() as s, pytest.raises(ServiceError, match="tenant name"):
+        create_tenant(s, "carol\n")

@@ -29,7 +29,7 @@ def new_key() -> str:
 
 def create_tenant(session, name: str, *, max_concurrent_jobs: int = 2, max_models: int = 16) -> tuple[Tenant, str]:
     """A new tenant and its API key (the only time the key exists in clear)."""
-    if not NAME_RE.match(name or ""):
+    if not NAME_RE.fullmatch(name or ""):
         raise ServiceError(f"tenant name {name!r}: use 1-64 letters, digits, '_', '.', '-', starting with a letter or digit")
     if session.scalar(select(Tenant).where(Tenant.name == name)) is not None:
         raise Conflict(f"tenant {name!r} already exists")

@@ -40,7 +40,7 @@ def pb2():
 
 def check_name(name: Any, what: str) -> str:
     """Checkpoint and run names: no slashes, no dots-only names, nothing that looks like a path."""
-    if not isinstance(name, str) or not NAME_RE.match(name) or name in (".", "..") or ".." in name:
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name in (".", "..") or ".." in name:
         raise ServiceError(f"{what} {shown(name)}: use 1-128 letters, digits, '_', '.', ':', '-' (no '/', no '..')")
     return name
 
