@@ -31,7 +31,8 @@ from lockstep.service import wire
 from lockstep.service.types import SUPPORTED_LOSSES
 
 TIMEOUT_S = 15.0
-"""A request that takes longer is a hang (the server's long-polls are configured far shorter)."""
+"""A request that takes longer is a hang (in_process_service's long-poll holds a pending future 2 s;
+against `lockstep serve`, whose long-poll holds 25 s, use a longer one)."""
 
 
 @dataclass
@@ -93,6 +94,7 @@ class Fuzzer:
     keys: dict
     """"a" (the owner of `objects`) and "b" (another tenant)."""
     objects: Objects
+    timeout_s: float = TIMEOUT_S
     tally: Tally = field(default_factory=Tally)
     http: requests.Session = field(default_factory=requests.Session)
 
@@ -117,7 +119,7 @@ class Fuzzer:
             headers = self._key(data.draw)
             sent = (case.method, case.formatted_path, case.query, str(case.body)[:300])
             try:
-                response = case.call(base_url=self.url, session=self.http, headers=headers, timeout=TIMEOUT_S)
+                response = case.call(base_url=self.url, session=self.http, headers=headers, timeout=self.timeout_s)
             except requests.RequestException as e:
                 response, error = None, e
             else:
@@ -141,7 +143,7 @@ class Fuzzer:
             sent = ("POST", "/api/v1/forward_backward", None, body[:300])
             try:
                 response = self.http.post(f"{self.url}/api/v1/forward_backward", data=body, headers=headers,
-                                          timeout=TIMEOUT_S)
+                                          timeout=self.timeout_s)
             except requests.RequestException as e:
                 response, error = None, e
             else:
@@ -237,21 +239,22 @@ def forward_backward_bodies(o: Objects):
 
 # -- a service to fuzz ---------------------------------------------------------------------------
 @contextlib.contextmanager
-def in_process_service(home: Path, models: dict, **limits):
+def in_process_service(home: Path, models: dict, db_url: str | None = None, **limits):
     """The API (uvicorn) and an Executor (the worker's claim loop and engine), each in a thread of
-    this process, on one SQLite store: (url, sessions). Real components, one process."""
+    this process, on one store (SQLite under `home` by default): (url, sessions). Real components,
+    one process."""
     import uvicorn
 
     from lockstep.service.app import ServiceConfig, create_app
     from lockstep.service.db import connect
     from lockstep.service.worker import RequestExecutor, WorkerConfig, register_base_models
 
-    db, storage = f"sqlite:///{home / 'db.sqlite'}", str(home / "storage")
+    db, storage = db_url or f"sqlite:///{home / 'db.sqlite'}", str(home / "storage")
     _, sessions = connect(db)
     with sessions() as s:
         register_base_models(s, models)
     executor = RequestExecutor(WorkerConfig(db_url=db, storage_url=storage, home=str(home / "worker"), threads=1),
-                               "worker-in-process", os.getpid())
+                               f"worker-{home.name}"[:64], os.getpid())
     serving = threading.Thread(target=executor.serve, daemon=True, name="executor")
     serving.start()
     with socket.socket() as sock:

@@ -165,7 +165,10 @@ def model_of(s, t: Tenant, model_id: str) -> Model:
 
 
 def _model_brief(s, t: Tenant, model_id: str):
-    row = s.execute(_MODEL_BRIEF, {"mid": model_id}).first() if len(model_id) <= 160 else None
+    # The protobuf's model_id is not a bodies.py type: one that no id of ours can be is never looked
+    # up (PostgreSQL refuses NUL in a query parameter).
+    possible = len(model_id) <= 160 and model_id.isprintable()
+    row = s.execute(_MODEL_BRIEF, {"mid": model_id}).first() if possible else None
     if row is None or row.tenant_id != t.id:
         raise NotFound(f"unknown model_id {wire.shown(model_id)}")
     return row
