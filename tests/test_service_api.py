@@ -274,9 +274,11 @@ HOSTILE = {  # every 5xx the fuzzing of issue 14 found, and the bounds around th
     **{f"seq_{p}_{n}": ("post", p, {"model_id": "MID", "seq_id": n, "path": "ok"})
        for p in ("optim_step", "save_weights", "save_weights_for_sampler") for n in BIG},
     "ttl_seconds": ("post", "save_weights", {"model_id": "MID", "seq_id": 1, "path": "ok", "ttl_seconds": 10**12}),
-    "model_seq_id": ("post", "create_model", {"session_id": "SID", "model_seq_id": 2**63, "base_model": "lockstep/tiny"}),
-    **{f"lora_seed_{n}": ("post", "create_model", {"session_id": "SID", "model_seq_id": 5, "base_model": "lockstep/tiny",
-                                                  "lora_config": {"rank": 4, "seed": n}}) for n in (2**64, -2**64)},
+    "model_seq_id": ("post", "create_model", {"session_id": "SID", "model_seq_id": 2**63,
+                                              "base_model": "lockstep/tiny"}),
+    **{f"lora_seed_{n}": ("post", "create_model", {"session_id": "SID", "model_seq_id": 5,
+                                                  "base_model": "lockstep/tiny", "lora_config": {"rank": 4, "seed": n}})
+       for n in (2**64, -2**64)},
     "lora_rank": ("post", "create_model", {"session_id": "SID", "model_seq_id": 5, "base_model": "lockstep/tiny",
                                            "lora_config": {"rank": 10**30}}),
     "token_bytes": ("proto", None, dict(tokens=b"\x05\0\0\0\x06\0")),
@@ -344,7 +346,8 @@ def test_a_datum_must_fit_the_model_context_and_a_request_the_token_cap(tmp_path
         proto = {"headers": {"X-API-Key": key, "Content-Type": "application/x-protobuf"}}
         r = client.post("/api/v1/forward_backward", content=fwdbwd(mid, tokens=(5,) * 600), **proto)
         assert r.status_code == 400 and "do not fit the model's context of 512" in r.json()["error"], r.text
-        many = wire.pb2().ForwardBackwardRequest.FromString(fwdbwd(mid, 2, tokens=tuple(5 + i % 50 for i in range(500))))
+        tokens = tuple(5 + i % 50 for i in range(500))
+        many = wire.pb2().ForwardBackwardRequest.FromString(fwdbwd(mid, 2, tokens=tokens))
         many.data.add().CopyFrom(many.data[0])  # 2 x 500 tokens: the cap
         assert client.post("/api/v1/forward_backward", content=many.SerializeToString(), **proto).status_code == 200
         many.seq_id = 3
@@ -354,7 +357,8 @@ def test_a_datum_must_fit_the_model_context_and_a_request_the_token_cap(tmp_path
         r = client.post("/api/v1/forward_backward", content=many.SerializeToString(), **proto)
         assert r.status_code == 400 and "1001 tokens; at most 1000 per request" in r.json()["error"], r.text
         cfg = post(client, "client/config", key, {}).json()
-        assert (cfg["fwdbwd_max_chunk_bytes_count"], cfg["fwdbwd_max_chunk_len"]) == (8000, 1024)  # the SDK chunks under it
+        # what the SDK chunks its batches under
+        assert (cfg["fwdbwd_max_chunk_bytes_count"], cfg["fwdbwd_max_chunk_len"]) == (8000, 1024)
 
 
 def test_refused_training_requests_settle_their_seq_ids_in_order(api):
@@ -443,3 +447,28 @@ def test_a_trailing_newline_does_not_pass_for_a_name(tmp_path):
     _, sessions = connect(f"sqlite:///{tmp_path / 'db.sqlite'}")
     with sessions() as s, pytest.raises(ServiceError, match="tenant name"):
         create_tenant(s, "carol\n")
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+def test_ids_no_object_can_have_are_a_404_on_every_store(tmp_path, builtin_dir, store, request):
+    """PostgreSQL refuses NUL in a text parameter (SQLite does not): such an id must not reach a query."""
+    url = request.getfixturevalue("postgres_url") if store == "postgres" else f"sqlite:///{tmp_path / 'db.sqlite'}"
+    _, sessions = connect(url)
+    with sessions() as s:
+        register_base_models(s, {"lockstep/tiny": builtin_dir})
+        _, key = create_tenant(s, f"nul-{tmp_path.name}"[:64])
+    cfg = ServiceConfig(db_url=url, storage_url=str(tmp_path / "storage"))
+    with TestClient(create_app(cfg)) as client:
+        headers = {"X-API-Key": key}
+        for model_id in ("a\x00b", "a\x7f", "m" * 10_000):
+            r = client.post("/api/v1/forward_backward", content=fwdbwd(model_id),
+                            headers={**headers, "Content-Type": "application/x-protobuf"})
+            assert r.status_code == 404, r.text
+        for path in ("sessions/a%00b", "samplers/a%00b", "training_runs/a%00b", "training_runs/a%00b/checkpoints"):
+            assert 400 <= client.get(f"/api/v1/{path}", headers=headers).status_code < 500, path
+        r = client.post("/api/v1/retrieve_future", headers=headers, json={"request_id": "a\x00b"})
+        assert r.status_code == 400, r.text
+        for path in ("/v1/jobs?state=%00", "/v1/jobs/a%00b", "/v1/jobs/a%1fb/events?follow=false",
+                     "/api/v1/training_runs?limit=1%00"):
+            assert client.get(path, headers=headers).status_code == 400, path  # refused before any route
+        assert client.post("/v1/jobs/a%00b/cancel", headers=headers).status_code == 400

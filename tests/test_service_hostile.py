@@ -28,7 +28,8 @@ def world(tmp_path_factory, builtin_dir):
         a = make_objects(url, key_a)
         b_session = call(url, key_b, "create_session", {})["session_id"]
         b_model = call(url, key_b, "create_model", {"session_id": b_session, "model_seq_id": 0,
-                                                    "base_model": "lockstep/tiny", "lora_config": {"rank": 4}})["model_id"]
+                                                    "lora_config": {"rank": 4}, "base_model": "lockstep/tiny"})
+        b_model = b_model["model_id"]
         yield url, sessions, key_a, key_b, a, b_session, b_model
 
 
@@ -66,7 +67,8 @@ def attempts(a, b_session, b_model):
         ("run", "GET", f"/api/v1/training_runs/{quote(m)}", None),
         ("run checkpoints", "GET", f"/api/v1/training_runs/{quote(m)}/checkpoints", None),
         ("delete checkpoint", "DELETE", f"/api/v1/training_runs/{quote(m)}/checkpoints/weights/ck", None),
-        ("delete sampler checkpoint", "DELETE", f"/api/v1/training_runs/{quote(m)}/checkpoints/sampler_weights/s", None),
+        ("delete sampler checkpoint", "DELETE", f"/api/v1/training_runs/{quote(m)}/checkpoints/sampler_weights/s",
+         None),
         ("weights_info", "POST", "/api/v1/weights_info", {"tinker_path": w}),
         ("load_weights creating a model", "POST", "/api/v1/load_weights",
          {"path": w, "session_id": b_session, "model_seq_id": 7}),

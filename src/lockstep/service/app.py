@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import uuid
+from urllib.parse import unquote_to_bytes
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -78,6 +80,24 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+class PrintableTarget:
+    """ASGI middleware: a 400 for a URL whose path or query has control characters (%00 and the like)
+    once decoded. No id, name or parameter of ours has one, and PostgreSQL refuses NUL in a query
+    parameter (a 500 from every route that looks an id up), so they are refused before any route."""
+
+    CONTROL = re.compile(rb"[\x00-\x1f\x7f]")
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (self.CONTROL.search(scope["path"].encode("utf-8", "surrogateescape"))
+                                        or self.CONTROL.search(unquote_to_bytes(scope.get("query_string", b"")))):
+            body = error_body("the URL has control characters (such as %00) in its path or query; no id has any")
+            return await JSONResponse(body, status_code=400)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def create_app(config: ServiceConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -119,4 +139,5 @@ def create_app(config: ServiceConfig) -> FastAPI:
     app.include_router(tinker_rest.router, prefix="/api/v1")
     app.include_router(jobs_api.router, prefix="/v1")
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(PrintableTarget)
     return app

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import uuid
-
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request
@@ -24,9 +23,9 @@ from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
 
 from lockstep.service import queue, wire
-from lockstep.service.bodies import (MAX_SEQ, PRINTABLE, CreateModel, CreateSamplingSession, CreateSession, Finish, LoadWeights,
-                                     LoraConfig, ModelRef, OptimStep, Retrieve, Sample, SaveWeights, SessionRef,
-                                     Training)
+from lockstep.service.bodies import (MAX_SEQ, PRINTABLE, CreateModel, CreateSamplingSession, CreateSession, Finish,
+                                     LoadWeights, LoraConfig, ModelRef, OptimStep, Retrieve, Sample, SaveWeights,
+                                     SessionRef, Training)
 from lockstep.service.db import BaseModelEntry, Checkpoint, Model, SamplingSession, Session, Tenant, now
 from lockstep.service.deps import (ServiceConfig, config, db, result_response, ring_workers, tenant_of,
                                    validation_message, wait_for_result)

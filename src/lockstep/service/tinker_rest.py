@@ -25,6 +25,7 @@ Limit = Annotated[int, Query(ge=1, le=1000)]
 Offset = Annotated[int, Query(ge=0, le=MAX_OFFSET)]
 RunId = Annotated[str, Path(max_length=160, pattern=PRINTABLE)]
 SessionPath = Annotated[str, Path(max_length=64, pattern=PRINTABLE)]
+CheckpointPath = Annotated[str, Path(max_length=200, pattern=PRINTABLE)]
 
 
 def _iso(value: dt.datetime | None) -> str | None:
@@ -72,8 +73,7 @@ def run_checkpoints(run_id: RunId, request: Request, t: Tenant = TENANT) -> dict
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-def delete_checkpoint(run_id: RunId, checkpoint_id: Annotated[str, Path(max_length=200, pattern=PRINTABLE)], request: Request,
-                      t: Tenant = TENANT) -> dict:
+def delete_checkpoint(run_id: RunId, checkpoint_id: CheckpointPath, request: Request, t: Tenant = TENANT) -> dict:
     kind, _, name = checkpoint_id.partition("/")
     if kind not in ("weights", "sampler_weights"):
         raise ServiceError(f"checkpoint_id {wire.shown(checkpoint_id)}: expected weights/<name> or "
