@@ -472,3 +472,16 @@ def test_ids_no_object_can_have_are_a_404_on_every_store(tmp_path, builtin_dir, 
                      "/api/v1/training_runs?limit=1%00"):
             assert client.get(path, headers=headers).status_code == 400, path  # refused before any route
         assert client.post("/v1/jobs/a%00b/cancel", headers=headers).status_code == 400
+
+
+def test_stop_strings_and_tags_may_hold_any_text(api):
+    """Only ids, names and what is looked up are held to printable characters: a newline is a
+    common stop string (tinker-cookbook's arithmetic env stops at one)."""
+    client, _, key, _ = api
+    sid = post(client, "create_session", key, {"tags": ["line\none", "tab\there"]}).json()["session_id"]
+    ss = post(client, "create_sampling_session", key, {"session_id": sid, "sampling_session_seq_id": 0,
+                                                       "base_model": "lockstep/tiny"}).json()["sampling_session_id"]
+    for stop in ("\n", ["\n\n", "Q:"]):
+        r = post(client, "asample", key, {"sampling_session_id": ss, "prompt": {"chunks": [{"tokens": [5, 6]}]},
+                                          "sampling_params": {"max_tokens": 4, "stop": stop}})
+        assert r.status_code == 200, r.text

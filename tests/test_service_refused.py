@@ -3,8 +3,12 @@
 import numpy as np
 import pytest
 import tinker
+from sqlalchemy import func, select
 from tinker import types
 
+from lockstep.service.db import Request
+from lockstep.service.tenants import create_tenant
+from service_fuzzing import in_process_service
 from test_service_sdk import make_server, sft_datum
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -44,3 +48,20 @@ def test_the_same_client_keeps_training_after_each_kind_of_refused_request(tmp_p
         assert losses[-1] < 0.9 * losses[0], losses  # it trained on
     finally:
         srv.stop()
+
+
+def test_an_sdk_batch_over_the_token_cap_is_chunked_not_refused(tmp_path, builtin_dir):
+    """client/config tells the SDK to chunk under max_tokens_per_request, so the cap bounds the
+    Executor's memory without refusing any batch the SDK sends."""
+    with in_process_service(tmp_path, {"lockstep/tiny": builtin_dir}, max_tokens_per_request=64) as (url, sessions):
+        with sessions() as s:
+            key = create_tenant(s, "cathy")[1]
+        tc = tinker.ServiceClient(base_url=url, api_key=key).create_lora_training_client(
+            base_model="lockstep/tiny", rank=4, seed=0).result(timeout=120)
+        tok = tc.get_tokenizer()
+        data = [sft_datum(tok, f"{a}{a}{a}+{a}{a}{a}=", f"{2 * a}" * 3) for a in range(1, 10)]
+        assert sum(d.model_input.length for d in data) > 64  # one request would be refused
+        out = tc.forward_backward(data, "cross_entropy").result(timeout=120)
+        assert len(out.loss_fn_outputs) == len(data) and np.isfinite(out.metrics["loss:sum"])
+        with sessions() as s:  # it went as several requests, each under the cap
+            assert s.scalar(select(func.count()).select_from(Request).where(Request.kind == "forward_backward")) > 1

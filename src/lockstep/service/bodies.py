@@ -31,7 +31,14 @@ PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
 
 
 def Text(max_length: int, min_length: int = 0):  # noqa: N802 - a type, used like one
+    """An id, a name, or text stored in a column or looked up: bounded, no control characters."""
     return Annotated[str, StringConstraints(min_length=min_length, max_length=max_length, pattern=PRINTABLE)]
+
+
+def Free(max_length: int):  # noqa: N802 - a type, used like one
+    """Text only ever stored inside JSON (tags, stop strings: "\n" is a common stop): bounded only.
+    A length constraint still makes pydantic refuse lone surrogates."""
+    return Annotated[str, StringConstraints(max_length=max_length)]
 
 
 SessionId = Text(64, 1)
@@ -42,8 +49,8 @@ ModelName = Text(256, 1)
 TinkerPath = Text(512, 1)
 Name = Text(128)
 Short = Text(32)
-Line = Text(256)
-Detail = Text(4096)
+Line = Free(256)
+Detail = Free(4096)
 Seq = Annotated[int, Field(ge=1, le=MAX_SEQ)]
 SeqFrom0 = Annotated[int, Field(ge=0, le=MAX_SEQ)]
 Ttl = Annotated[int, Field(ge=1, le=MAX_TTL_S)]
