@@ -53,7 +53,7 @@ Line = Free(256)
 Detail = Free(4096)
 Seq = Annotated[int, Field(ge=1, le=MAX_SEQ)]
 SeqFrom0 = Annotated[int, Field(ge=0, le=MAX_SEQ)]
-Ttl = Annotated[int, Field(ge=1, le=MAX_TTL_S)]
+Ttl = Annotated[int, Field(ge=0, le=MAX_TTL_S, description="0: no expiry")]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
@@ -88,7 +88,8 @@ class Body(BaseModel):
 class CreateSession(Body):
     tags: list[Line] = Field(default=[], max_length=64)
     user_metadata: Metadata | None = None
-    sdk_version: Short = ""
+    sdk_version: Text(128) = ""
+    """Kept to its first 32 characters (a dev build's version string can be longer)."""
 
 
 class SessionRef(Body):

@@ -86,7 +86,7 @@ def create_session(body: CreateSession, request: Request, t: Tenant = TENANT) ->
     sid = uuid.uuid4().hex[:16]
     with db(request) as s:
         s.add(Session(id=sid, tenant_id=t.id, tags=list(body.tags), user_metadata=body.user_metadata or {},
-                      sdk_version=body.sdk_version))
+                      sdk_version=body.sdk_version[:32]))
         s.commit()
     return {"session_id": sid, "type": "create_session"}
 
