@@ -21,7 +21,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from sqlalchemy import func, select
 from starlette.concurrency import run_in_threadpool
 
-from lockstep.service.app import db, tenant_of
+from lockstep.service.deps import db, tenant_of
 from lockstep.service.db import Dataset, Job, Tenant
 from lockstep.service.policy import DATASET_ID, Limits, data_fields
 from lockstep.service.types import JobState, NotFound, QuotaExceeded, ServiceError

@@ -23,7 +23,7 @@ from sqlalchemy import func, select
 from starlette.concurrency import run_in_threadpool
 
 from lockstep.service import datasets
-from lockstep.service.app import db, tenant_of
+from lockstep.service.deps import db, tenant_of
 from lockstep.service.datasets import limits_of
 from lockstep.service.db import Dataset, Job, JobEvent, Tenant, Usage, now
 from lockstep.service.jobstate import move

@@ -3,7 +3,9 @@
 The API submits and long-polls; workers claim and finish. Training requests of a model run strictly
 in seq_id order: a worker only claims seq_id == done_seq + 1, so chunks that arrive out of order
 (the SDK posts the first chunk of a batch last) wait for their turn. Sampling requests carry no
-seq_id and are claimed in arrival order.
+seq_id and are claimed in arrival order. A training request the API refuses once its model and
+seq_id are known is stored as a row that is already failed (`refuse`); done_seq passes over such a
+row when its turn comes, so a refused request never stalls the requests after it.
 
 Every SDK call passes through here three times, so the statements are Core, built once with bind
 parameters: ORM objects and per-call statement construction cost more CPU than the SQL itself, and
@@ -17,7 +19,7 @@ import hashlib
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import and_, bindparam, case, insert, select, update
+from sqlalchemy import and_, bindparam, case, exists, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from lockstep.service.db import Counter, Endpoint, Model, Request, now
@@ -25,7 +27,7 @@ from lockstep.service.types import Conflict, RequestKind, RequestState
 
 TRAINING_KINDS = tuple(k.value for k in RequestKind if k is not RequestKind.SAMPLE)
 _R, _M, _C = Request.__table__, Model.__table__, Counter.__table__
-_QUEUED, _RUNNING = RequestState.QUEUED.value, RequestState.RUNNING.value
+_QUEUED, _RUNNING, _FAILED = RequestState.QUEUED.value, RequestState.RUNNING.value, RequestState.FAILED.value
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class Claimed:
     """This claim included: how many executors have taken it."""
 
 
-_BY_MODEL_SEQ = select(_R.c.id, _R.c.kind, _R.c.payload_sha).where(
+_BY_MODEL_SEQ = select(_R.c.id, _R.c.kind, _R.c.payload_sha, _R.c.state).where(
     _R.c.model_id == bindparam("mid"), _R.c.seq_id == bindparam("seq"))
 _NEXT_ORDER = (update(_C).where(_C.c.name == "requests").values(value=_C.c.value + 1).returning(_C.c.value))
 _INSERT = insert(_R)
@@ -74,6 +76,14 @@ _FINISH = (update(_R).where(_R.c.id == bindparam("rid"), _R.c.state == _RUNNING,
 _ADVANCE = (update(_M).where(_M.c.id == bindparam("mid"))
             .values(done_seq=case((_M.c.done_seq < bindparam("seq"), bindparam("seq")), else_=_M.c.done_seq),
                     last_request_time=bindparam("at")))
+# A failed row at done_seq + 1 can only be one the API refused (a worker's failure advances done_seq
+# as it finishes), so the model's order steps over it.
+_PASS_REFUSED = (update(_M).where(_M.c.id == bindparam("mid"),
+                                  exists().where(_R.c.model_id == _M.c.id, _R.c.seq_id == _M.c.done_seq + 1,
+                                                 _R.c.state == _FAILED))
+                 .values(done_seq=_M.c.done_seq + 1))
+_LOCK_MODEL = select(_M.c.id).where(_M.c.id == bindparam("mid")).with_for_update()
+_UNKNOWN = object()
 
 
 def _next_order(session) -> int:
@@ -88,15 +98,25 @@ def _next_order(session) -> int:
         return session.execute(_NEXT_ORDER).scalar()
 
 
+def digest(payload: bytes) -> str:
+    return hashlib.sha256(payload).hexdigest()
+
+
+def holder(session, model_id: str, seq_id: int):
+    """The request that holds (model_id, seq_id) already, or None: (id, kind, payload_sha, state)."""
+    return session.execute(_BY_MODEL_SEQ, {"mid": model_id, "seq": seq_id}).first()
+
+
 def submit(session, *, tenant_id: str, kind: RequestKind, payload: bytes, payload_format: str = "json",
            model_id: str | None = None, seq_id: int | None = None, sampling_session_id: str | None = None,
-           request_id: str | None = None) -> Queued:
+           request_id: str | None = None, held=_UNKNOWN) -> Queued:
     """Queue a request and commit; a retry of the same (model_id, seq_id) with the same payload
-    returns the original request, a different payload is a 409."""
-    sha = hashlib.sha256(payload).hexdigest()
+    returns the original request, a different payload is a 409. `held`: what `holder` returned,
+    when the caller has looked already."""
+    sha = digest(payload)
     keyed = model_id is not None and seq_id is not None
     if keyed:
-        existing = session.execute(_BY_MODEL_SEQ, {"mid": model_id, "seq": seq_id}).first()
+        existing = holder(session, model_id, seq_id) if held is _UNKNOWN else held
         if existing is not None:
             return _same_or_conflict(existing, kind, sha, model_id, seq_id)
     rid = request_id or uuid.uuid4().hex
@@ -110,9 +130,32 @@ def submit(session, *, tenant_id: str, kind: RequestKind, payload: bytes, payloa
         session.rollback()
         if not keyed:
             raise
-        existing = session.execute(_BY_MODEL_SEQ, {"mid": model_id, "seq": seq_id}).first()
-        return _same_or_conflict(existing, kind, sha, model_id, seq_id)
+        return _same_or_conflict(holder(session, model_id, seq_id), kind, sha, model_id, seq_id)
     return Queued(rid)
+
+
+def refuse(session, *, tenant_id: str, kind: RequestKind, payload_sha: str, model_id: str, seq_id: int,
+           error: str) -> None:
+    """Settle a training request the API refused after its model and seq_id were known: store it as
+    a failed row (no payload, the refusal as its error) and commit, so the model's later requests do
+    not wait for it. Nothing if (model_id, seq_id) is taken meanwhile."""
+    try:
+        # The model's row lock (PostgreSQL; SQLite's writes are serial anyway): a worker finishing
+        # seq_id - 1 at this moment either sees this row committed or has committed before we look.
+        session.execute(_LOCK_MODEL, {"mid": model_id})
+        session.execute(_INSERT, {"id": uuid.uuid4().hex, "tenant_id": tenant_id, "kind": kind.value,
+                                  "model_id": model_id, "seq_id": seq_id, "payload": b"", "payload_sha": payload_sha,
+                                  "state": _FAILED, "error": error, "error_category": "user", "finished_at": now(),
+                                  "order": _next_order(session)})
+        _pass_refused(session, model_id)
+        session.commit()
+    except IntegrityError:  # a concurrent retry stored it first
+        session.rollback()
+
+
+def _pass_refused(session, model_id: str) -> None:
+    while session.execute(_PASS_REFUSED, {"mid": model_id}).rowcount:
+        pass
 
 
 def _same_or_conflict(existing, kind: RequestKind, sha: str, model_id, seq_id) -> Queued:
@@ -162,6 +205,7 @@ def finish(session, req_id: str, worker_id: str, *, result: bytes | None = None,
         return False
     if row.seq_id is not None and row.model_id is not None and row.kind != RequestKind.SAMPLE.value:
         session.execute(_ADVANCE, {"mid": row.model_id, "seq": row.seq_id, "at": at})
+        _pass_refused(session, row.model_id)
     session.commit()
     return True
 

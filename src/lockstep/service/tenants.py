@@ -10,10 +10,10 @@ import re
 import secrets
 import uuid
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, func, select, update
 
-from lockstep.service.db import Tenant
-from lockstep.service.types import Conflict, ServiceError, Unauthorized
+from lockstep.service.db import Model, Tenant
+from lockstep.service.types import Conflict, QuotaExceeded, ServiceError, Unauthorized
 
 KEY_PREFIX = "tml-"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -29,7 +29,7 @@ def new_key() -> str:
 
 def create_tenant(session, name: str, *, max_concurrent_jobs: int = 2, max_models: int = 16) -> tuple[Tenant, str]:
     """A new tenant and its API key (the only time the key exists in clear)."""
-    if not NAME_RE.match(name or ""):
+    if not NAME_RE.fullmatch(name or ""):
         raise ServiceError(f"tenant name {name!r}: use 1-64 letters, digits, '_', '.', '-', starting with a letter or digit")
     if session.scalar(select(Tenant).where(Tenant.name == name)) is not None:
         raise Conflict(f"tenant {name!r} already exists")
@@ -48,3 +48,24 @@ def authenticate(session, key: str | None) -> Tenant:
     if tenant is None:
         raise Unauthorized("unknown API key")
     return tenant
+
+
+_T, _M = Tenant.__table__, Model.__table__
+# A write that changes nothing: it takes the tenant's row lock (PostgreSQL) or the database's write
+# lock (SQLite) until the transaction ends, and reads the quota fresh (the key may be cached).
+_LOCK_QUOTA = update(_T).where(_T.c.id == bindparam("tid")).values(max_models=_T.c.max_models).returning(
+    _T.c.max_models)
+_MODELS = select(func.count()).select_from(_M).where(_M.c.tenant_id == bindparam("tid"))
+
+
+def lock_quota(session, tenant_id: str) -> int:
+    """The tenant's model quota, read fresh, with the tenant's models held still until the caller
+    commits: counting and then inserting without this lock let concurrent creations overshoot."""
+    return session.execute(_LOCK_QUOTA, {"tid": tenant_id}).scalar_one()
+
+
+def check_model_quota(session, tenant: Tenant, quota: int) -> None:
+    """429 if one more model would exceed `quota` (call under lock_quota)."""
+    count = session.execute(_MODELS, {"tid": tenant.id}).scalar_one()
+    if count >= quota:
+        raise QuotaExceeded(f"tenant {tenant.name!r} already has {count} models (quota {quota})")

@@ -40,19 +40,37 @@ def pb2():
 
 def check_name(name: Any, what: str) -> str:
     """Checkpoint and run names: no slashes, no dots-only names, nothing that looks like a path."""
-    if not isinstance(name, str) or not NAME_RE.match(name) or name in (".", "..") or ".." in name:
-        raise ServiceError(f"{what} {name!r}: use 1-128 letters, digits, '_', '.', ':', '-' (no '/', no '..')")
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name in (".", "..") or ".." in name:
+        raise ServiceError(f"{what} {shown(name)}: use 1-128 letters, digits, '_', '.', ':', '-' (no '/', no '..')")
     return name
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """repr() of a client's value for an error message, cut short: never echo megabytes back."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
 # -- tensors -------------------------------------------------------------------------------------
 _PB_DTYPES = {1: np.float32, 2: np.int64, 3: np.int32}
-_JSON_DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32}
 
 
-def _csr(values: np.ndarray, crow: np.ndarray, col: np.ndarray, shape: Sequence[int], what: str) -> np.ndarray:
+def _elements(shape: Sequence[int], max_elements: int, what: str) -> int:
+    """The element count of a client's shape, in Python ints (numpy's product wraps at 2^64), bounded
+    before anything is allocated from it."""
+    if any(d < 0 for d in shape):
+        raise ServiceError(f"{what}: shape {shown(list(shape))} has a negative dimension")
+    count = math.prod(shape)
+    if count > max_elements:
+        raise ServiceError(f"{what}: shape {shown(list(shape))} holds {count} values; at most {max_elements} fit here")
+    return count
+
+
+def _csr(values: np.ndarray, crow: np.ndarray, col: np.ndarray, shape: Sequence[int], max_elements: int,
+         what: str) -> np.ndarray:
     if len(shape) != 2:
-        raise ServiceError(f"{what}: a sparse tensor needs a 2-D shape, got {list(shape)}")
+        raise ServiceError(f"{what}: a sparse tensor needs a 2-D shape, got {shown(list(shape))}")
+    _elements(shape, max_elements, what)
     rows, cols = int(shape[0]), int(shape[1])
     if len(crow) != rows + 1 or len(col) != len(values) or (len(col) and (col.min() < 0 or col.max() >= cols)):
         raise ServiceError(f"{what}: inconsistent sparse CSR indices for shape {list(shape)}")
@@ -64,7 +82,9 @@ def _csr(values: np.ndarray, crow: np.ndarray, col: np.ndarray, shape: Sequence[
     return out
 
 
-def tensor_from_pb(t, what: str) -> np.ndarray:
+def tensor_from_pb(t, what: str, max_elements: int) -> np.ndarray:
+    """A TensorData message as an array of at most `max_elements` values (its shape is the client's:
+    bounded before any allocation is sized from it)."""
     dtype = _PB_DTYPES.get(t.dtype)
     if dtype is None:
         raise ServiceError(f"{what}: dtype {t.dtype} is not supported (float32, int64 or int32)")
@@ -73,35 +93,16 @@ def tensor_from_pb(t, what: str) -> np.ndarray:
         if t.WhichOneof("encoding") == "sparse_csr":
             s = t.sparse_csr
             values = np.frombuffer(s.values, dtype)
-            return _csr(values, np.frombuffer(s.crow_indices, np.int64), np.frombuffer(s.col_indices, np.int64), shape, what)
+            crow, col = np.frombuffer(s.crow_indices, np.int64), np.frombuffer(s.col_indices, np.int64)
+            return _csr(values, crow, col, shape, max_elements, what)
         flat = np.frombuffer(t.dense, dtype)
     except ValueError as e:
-        raise ServiceError(f"{what}: tensor bytes do not match dtype {np.dtype(dtype).name} ({e})") from None
-    if shape and int(np.prod(shape)) != flat.size:
+        raise ServiceError(f"{what}: tensor bytes do not match their dtype ({e})") from None
+    if shape and _elements(shape, max_elements, what) != flat.size:
         raise ServiceError(f"{what}: {flat.size} values do not fill shape {shape}")
+    if flat.size > max_elements:
+        raise ServiceError(f"{what}: {flat.size} values; at most {max_elements} fit here")
     return flat.reshape(shape) if shape else flat
-
-
-def tensor_from_json(obj: Any, what: str) -> np.ndarray:
-    if not isinstance(obj, Mapping) or "data" not in obj or "dtype" not in obj:
-        raise ServiceError(f"{what}: expected TensorData {{data, dtype, shape?}}")
-    dtype = _JSON_DTYPES.get(obj["dtype"])
-    if dtype is None:
-        raise ServiceError(f"{what}: dtype {obj['dtype']!r} is not supported (float32, int64 or int32)")
-    try:
-        values = np.asarray(obj["data"], dtype=dtype)
-    except (TypeError, ValueError):
-        raise ServiceError(f"{what}: data must be a flat list of numbers") from None
-    shape = obj.get("shape")
-    if obj.get("sparse_crow_indices") is not None:
-        crow = np.asarray(obj["sparse_crow_indices"], np.int64)
-        col = np.asarray(obj.get("sparse_col_indices") or [], np.int64)
-        return _csr(values, crow, col, shape or [], what)
-    if shape is not None:
-        if int(np.prod(shape)) != values.size:
-            raise ServiceError(f"{what}: {values.size} values do not fill shape {shape}")
-        values = values.reshape(shape)
-    return values
 
 
 # -- model inputs --------------------------------------------------------------------------------
@@ -111,20 +112,28 @@ def tokens_from_chunks_pb(chunks, what: str) -> tuple[int, ...]:
         kind = c.WhichOneof("chunk")
         if kind != "encoded_text":
             raise ServiceError(f"{what} chunk {i}: {kind} chunks are not supported (text models only)")
-        out.extend(np.frombuffer(c.encoded_text.tokens, np.int32).tolist())
+        raw = c.encoded_text.tokens
+        if len(raw) % 4:
+            raise ServiceError(f"{what} chunk {i}: {len(raw)} token bytes is not a whole number of int32 tokens")
+        out.extend(np.frombuffer(raw, np.int32).tolist())
     return tuple(out)
 
 
-def tokens_from_model_input(obj: Any, what: str) -> tuple[int, ...]:
+def tokens_from_model_input(obj: Any, what: str, max_tokens: int | None = None) -> tuple[int, ...]:
+    """A JSON ModelInput's tokens; more than `max_tokens` is refused before they are all read."""
     if not isinstance(obj, Mapping) or not isinstance(obj.get("chunks"), list):
         raise ServiceError(f"{what}: expected a ModelInput {{chunks: [...]}}")
     out: list[int] = []
     for i, c in enumerate(obj["chunks"]):
         if not isinstance(c, Mapping) or c.get("type", "encoded_text") != "encoded_text":
-            kind = c.get("type") if isinstance(c, Mapping) else type(c).__name__
+            kind = shown(c.get("type")) if isinstance(c, Mapping) else type(c).__name__
             raise ServiceError(f"{what} chunk {i}: {kind} chunks are not supported (text models only)")
         toks = c.get("tokens")
-        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+        if not isinstance(toks, list):
+            raise ServiceError(f"{what} chunk {i}: tokens must be a list of integers")
+        if max_tokens is not None and len(out) + len(toks) > max_tokens:
+            raise ServiceError(f"{what}: more than {max_tokens} tokens; at most {max_tokens} fit here")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
             raise ServiceError(f"{what} chunk {i}: tokens must be a list of integers")
         out.extend(toks)
     return tuple(out)
@@ -133,10 +142,14 @@ def tokens_from_model_input(obj: Any, what: str) -> tuple[int, ...]:
 def check_tokens(tokens: Sequence[int], vocab_size: int, what: str) -> None:
     bad = [t for t in tokens if not 0 <= t < vocab_size]
     if bad:
-        raise ServiceError(f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        raise ServiceError(f"{what}: token ids {shown(bad[:5])} are outside the vocabulary [0, {vocab_size})")
 
 
 # -- forward_backward ----------------------------------------------------------------------------
+MAX_DATA = 1024
+"""Data per forward/forward_backward request (the SDK's own chunk length)."""
+
+
 @dataclass(frozen=True)
 class WireDatum:
     model_input: tuple[int, ...]
@@ -153,15 +166,15 @@ class FwdBwd:
     forward_only: bool
 
 
-def check_datum(i: int, model_input: tuple[int, ...], inputs: dict[str, np.ndarray], vocab_size: int) -> None:
+def check_datum(i: int, model_input: tuple[int, ...], inputs: dict[str, np.ndarray], vocab_size: int,
+                max_context: int | None = None) -> None:
     n = len(model_input)
     what = f"datum {i}"
     if n == 0:
         raise ServiceError(f"{what}: model_input is empty")
+    if max_context is not None and n > max_context:
+        raise ServiceError(f"{what}: {n} tokens do not fit the model's context of {max_context}")
     check_tokens(model_input, vocab_size, f"{what} model_input")
-    unknown = set(inputs) - set(KNOWN_KEYS)
-    if unknown:
-        raise ServiceError(f"{what}: unknown loss_fn_inputs {sorted(unknown)}; known: {list(KNOWN_KEYS)}")
     if "target_tokens" not in inputs:
         raise ServiceError(f"{what}: loss_fn_inputs needs target_tokens (int64, shape ({n},))")
     for key, arr in inputs.items():
@@ -184,15 +197,16 @@ def _config(msg) -> dict[str, float]:
         if v.WhichOneof("value") == "number":
             cfg[k] = float(v.number)
         else:
-            raise ServiceError(f"loss_fn_config[{k!r}]: only numbers are supported, got text {v.text!r}")
+            raise ServiceError(f"loss_fn_config[{shown(k)}]: only numbers are supported, got text {shown(v.text)}")
     for k, v in cfg.items():
         if not math.isfinite(v):
-            raise ServiceError(f"loss_fn_config[{k!r}] must be finite, got {v}")
+            raise ServiceError(f"loss_fn_config[{shown(k)}] must be finite, got {v}")
     return cfg
 
 
-def decode_forward_backward(body: bytes) -> FwdBwd:
-    """A protobuf ForwardBackwardRequest; structure only (the caller checks it against the model)."""
+def parse_forward_backward(body: bytes):
+    """A protobuf ForwardBackwardRequest, parsed but not decoded: its model_id and seq_id are known
+    before its data is looked at (a request refused for its data still settles its seq_id)."""
     from google.protobuf.message import DecodeError
 
     msg = pb2().ForwardBackwardRequest()
@@ -202,14 +216,41 @@ def decode_forward_backward(body: bytes) -> FwdBwd:
         raise ServiceError(f"malformed protobuf ForwardBackwardRequest: {e}") from None
     if not msg.model_id:
         raise ServiceError("ForwardBackwardRequest needs model_id")
+    return msg
+
+
+def _token_count(msg, max_tokens: int | None) -> int:
+    """Tokens in the request, from the chunks' byte lengths alone (nothing decoded yet)."""
     if not msg.data:
         raise ServiceError("ForwardBackwardRequest has no data; send at least one datum")
+    if len(msg.data) > MAX_DATA:
+        raise ServiceError(f"ForwardBackwardRequest has {len(msg.data)} data; at most {MAX_DATA} per request")
+    total = sum(len(c.encoded_text.tokens) // 4 for d in msg.data for c in d.model_input)
+    if max_tokens is not None and total > max_tokens:
+        raise ServiceError(f"ForwardBackwardRequest has {total} tokens; at most {max_tokens} per request (the SDK "
+                           f"chunks its batches below this)")
+    return total
+
+
+def forward_backward_from_pb(msg, *, max_tokens: int | None = None) -> FwdBwd:
+    """The decoded request: its structure checked and its sizes bounded before any array is built
+    (the caller checks it against the model with check_datum)."""
+    _token_count(msg, max_tokens)
     data = []
     for i, d in enumerate(msg.data):
         tokens = tokens_from_chunks_pb(d.model_input, f"datum {i} model_input")
-        inputs = {k: tensor_from_pb(t, f"datum {i} loss_fn_inputs[{k!r}]") for k, t in d.loss_fn_inputs.items()}
+        unknown = set(d.loss_fn_inputs) - set(KNOWN_KEYS)
+        if unknown:
+            raise ServiceError(f"datum {i}: unknown loss_fn_inputs {shown(sorted(unknown))}; known: {list(KNOWN_KEYS)}")
+        inputs = {k: tensor_from_pb(t, f"datum {i} loss_fn_inputs[{k!r}]", len(tokens))
+                  for k, t in d.loss_fn_inputs.items()}
         data.append(WireDatum(tokens, inputs))
     return FwdBwd(msg.model_id, int(msg.seq_id), tuple(data), msg.loss_fn, _config(msg), bool(msg.forward_only))
+
+
+def decode_forward_backward(body: bytes, *, max_tokens: int | None = None) -> FwdBwd:
+    """parse_forward_backward, then forward_backward_from_pb (the worker re-reads stored bodies)."""
+    return forward_backward_from_pb(parse_forward_backward(body), max_tokens=max_tokens)
 
 
 def encode_forward_backward(fb: FwdBwd) -> bytes:

@@ -1,0 +1,208 @@
+"""The Tinker API's JSON request bodies, with every field typed and bounded.
+
+Every field a tenant sends is hostile until checked: integers are range-checked here (the store's
+INTEGER columns are 32-bit on PostgreSQL, SQLite's overflow at 2^63), strings have a length (which
+also makes pydantic refuse lone surrogates, which the store cannot encode) and no control
+characters, and free-form JSON (user_metadata) is bounded in depth and size and must read back as
+strict JSON. A body that breaks a bound is a 400 naming the field, before anything is stored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+
+MAX_SEQ = 2**31 - 1
+"""seq_id, model_seq_id, sampling_session_seq_id: a 32-bit INTEGER column (and the protobuf's int32)."""
+MAX_OFFSET = 2**31 - 1
+MAX_TTL_S = 10 * 366 * 86400
+"""ttl_seconds: ten years; the worker adds it to a datetime, which ends at year 9999."""
+MAX_METADATA_BYTES = 64 * 1024
+MAX_METADATA_DEPTH = 16
+MAX_LORA_RANK = 1024
+MAX_SAMPLES = 256
+MAX_STOPS = 16
+INT64 = 2**63
+
+PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
+"""No control characters: PostgreSQL refuses NUL in text, and no id or name of ours has one."""
+
+
+def Text(max_length: int, min_length: int = 0):  # noqa: N802 - a type, used like one
+    """An id, a name, or text stored in a column or looked up: bounded, no control characters."""
+    return Annotated[str, StringConstraints(min_length=min_length, max_length=max_length, pattern=PRINTABLE)]
+
+
+def Free(max_length: int):  # noqa: N802 - a type, used like one
+    """Text only ever stored inside JSON (tags, stop strings: "\n" is a common stop): bounded only.
+    A length constraint still makes pydantic refuse lone surrogates."""
+    return Annotated[str, StringConstraints(max_length=max_length)]
+
+
+SessionId = Text(64, 1)
+ObjectId = Text(160, 1)
+"""Model and sampling-session ids ("{session}:train:{n}", "{model}:sample:{n}")."""
+RequestId = Text(64, 1)
+ModelName = Text(256, 1)
+TinkerPath = Text(512, 1)
+Name = Text(128)
+Short = Text(32)
+Line = Free(256)
+Detail = Free(4096)
+Seq = Annotated[int, Field(ge=1, le=MAX_SEQ)]
+SeqFrom0 = Annotated[int, Field(ge=0, le=MAX_SEQ)]
+Ttl = Annotated[int, Field(ge=0, le=MAX_TTL_S, description="0: no expiry")]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def bounded_json(value: Any) -> Any:
+    """Free-form JSON a tenant stores and reads back: at most MAX_METADATA_DEPTH levels and
+    MAX_METADATA_BYTES serialised, no NaN/inf, encodable as UTF-8 (what the answer will need)."""
+    try:
+        size = len(json.dumps(value, ensure_ascii=False, allow_nan=False).encode())
+    except (ValueError, RecursionError, UnicodeEncodeError) as e:
+        raise ValueError(f"must be plain JSON (no NaN or inf, valid unicode, at most {MAX_METADATA_DEPTH} levels): "
+                         f"{type(e).__name__}") from None
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(f"is {size} bytes as JSON; at most {MAX_METADATA_BYTES}")
+    stack = [(value, 1)]
+    while stack:  # a loop, not recursion: the depth is what is being checked
+        item, depth = stack.pop()
+        if depth > MAX_METADATA_DEPTH:
+            raise ValueError(f"is nested deeper than {MAX_METADATA_DEPTH} levels")
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+    return value
+
+
+Metadata = Annotated[dict[str, Any], AfterValidator(bounded_json)]
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# -- sessions and models -------------------------------------------------------------------------
+class CreateSession(Body):
+    tags: list[Line] = Field(default=[], max_length=64)
+    user_metadata: Metadata | None = None
+    sdk_version: Text(128) = ""
+    """Kept to its first 32 characters (a dev build's version string can be longer)."""
+
+
+class SessionRef(Body):
+    session_id: SessionId
+
+
+class Finish(Body):
+    reason: Metadata = {}
+    detail: Detail | None = None
+
+
+class LoraConfig(Body):
+    rank: int = Field(default=32, ge=0, le=MAX_LORA_RANK, description="0: full fine-tuning")
+    seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class CreateModel(Body):
+    session_id: SessionId
+    model_seq_id: SeqFrom0
+    base_model: ModelName
+    user_metadata: Metadata | None = None
+    lora_config: LoraConfig | None = None
+
+
+class ModelRef(Body):
+    model_id: ObjectId
+
+
+# -- training ------------------------------------------------------------------------------------
+class Training(Body):
+    """What every training request names first: the model and its place in the model's order."""
+
+    model_id: ObjectId
+    seq_id: Seq
+
+
+class AdamParams(Body):
+    learning_rate: Finite = Field(default=1e-4, ge=0)
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    eps: Finite = Field(default=1e-12, ge=0)
+    weight_decay: Finite = Field(default=0.0, ge=0)
+    grad_clip_norm: Finite = Field(default=0.0, ge=0)
+
+
+class OptimStep(Training):
+    adam_params: AdamParams = AdamParams()
+
+
+class SaveWeights(Training):
+    path: Name | None = None
+    ttl_seconds: Ttl | None = None
+    user_metadata: Metadata | None = None
+    sampling_session_seq_id: SeqFrom0 | None = None
+    kind: Short | None = None
+    overwrite: bool = False
+
+
+class LoadWeights(Body):
+    path: TinkerPath
+    optimizer: bool = False
+    model_id: ObjectId | None = None
+    seq_id: Seq | None = None
+    session_id: SessionId | None = None
+    model_seq_id: SeqFrom0 | None = None
+    user_metadata: Metadata | None = None
+
+
+# -- sampling ------------------------------------------------------------------------------------
+class CreateSamplingSession(Body):
+    session_id: SessionId
+    sampling_session_seq_id: SeqFrom0
+    base_model: ModelName | None = None
+    model_path: TinkerPath | None = None
+
+
+StopStrings = Annotated[list[Line], Field(max_length=MAX_STOPS)]
+StopTokens = Annotated[list[Annotated[int, Field(ge=0, le=MAX_SEQ)]], Field(max_length=MAX_STOPS)]
+
+
+class SamplingParams(Body):
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_SEQ)
+    seed: int | None = Field(default=None, ge=-INT64, lt=2 * INT64)
+    temperature: float = Field(default=1.0, ge=0, le=100)
+    top_k: int = Field(default=-1, ge=-1, le=MAX_SEQ)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    stop: Line | StopStrings | StopTokens | None = None
+
+
+class Sample(Body):
+    sampling_session_id: ObjectId | None = None
+    seq_id: int | None = Field(default=None, ge=-INT64, lt=INT64)
+    num_samples: int = Field(default=1, ge=1, le=MAX_SAMPLES)
+    prompt: dict[str, Any]
+    sampling_params: SamplingParams = SamplingParams()
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = Field(default=0, ge=0, le=MAX_SEQ)
+    topk_sample_logprobs: int = Field(default=0, ge=0, le=MAX_SEQ)
+    prompt_alt_tokens_k: int = Field(default=0, ge=0, le=MAX_SEQ)
+    prompt_logprobs_last_n: int | None = Field(default=None, ge=0, le=MAX_SEQ)
+    target_prompt_logprobs: dict[str, Any] | None = None
+    base_model: ModelName | None = None
+    model_path: TinkerPath | None = None
+
+
+# -- futures and listings ------------------------------------------------------------------------
+class Retrieve(Body):
+    request_id: RequestId
+    allow_metadata_only: bool = False
+
+
+class WeightsInfo(Body):
+    tinker_path: TinkerPath
