@@ -274,7 +274,9 @@ def in_process_service(home: Path, models: dict, db_url: str | None = None, **li
 
     from lockstep.service.app import ServiceConfig, create_app
     from lockstep.service.db import connect
-    from lockstep.service.worker import RequestExecutor, WorkerConfig, register_base_models
+    from lockstep.service.executor import RequestExecutor
+    from lockstep.service.types import WorkerConfig
+    from lockstep.service.worker import register_base_models
 
     db, storage = db_url or f"sqlite:///{home / 'db.sqlite'}", str(home / "storage")
     _, sessions = connect(db)
