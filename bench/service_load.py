@@ -1,6 +1,6 @@
 """32 SDK clients against a live `lockstep serve` for 10 minutes: errors and memory.
 
-    .venv/bin/python bench/service_load.py [--clients 32] [--seconds 600] [--warmup 120] [--max-models 8]
+    .venv/bin/python bench/service_load.py [--clients 32] [--seconds 600] [--warmup 120] [--max-models 16]
 
 Each client has its own LoRA model and loops forward_backward + optim_step (4 datums x 16 tokens),
 with a new sampler and a 4-sample request every 4th step. Memory is the resident set of the API,
@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=600)
     ap.add_argument("--warmup", type=float, default=120)
-    ap.add_argument("--max-models", type=int, default=8, help="the worker's trainers in memory (its default: 8)")
+    ap.add_argument("--max-models", type=int, default=16, help="the worker's trainers in memory (its default: 16)")
     a = ap.parse_args()
     svc = Service(Path(tempfile.mkdtemp(prefix="lockstep-load-")), worker_args=["--max-models", str(a.max_models)]).start()
     try:
