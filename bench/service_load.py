@@ -1,6 +1,6 @@
 """32 SDK clients against a live `lockstep serve` for 10 minutes: errors and memory.
 
-    .venv/bin/python bench/service_load.py [--clients 32] [--seconds 600] [--warmup 120]
+    .venv/bin/python bench/service_load.py [--clients 32] [--seconds 600] [--warmup 120] [--max-models 16]
 
 Each client has its own LoRA model and loops forward_backward + optim_step (4 datums x 16 tokens),
 with a new sampler and a 4-sample request every 4th step. Memory is the resident set of the API,
@@ -26,8 +26,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=600)
     ap.add_argument("--warmup", type=float, default=120)
+    ap.add_argument("--max-models", type=int, default=16, help="the worker's trainers in memory (its default: 16)")
     a = ap.parse_args()
-    svc = Service(Path(tempfile.mkdtemp(prefix="lockstep-load-"))).start()
+    svc = Service(Path(tempfile.mkdtemp(prefix="lockstep-load-")), worker_args=["--max-models", str(a.max_models)]).start()
     try:
         keys = [svc.tenant(f"load{i}", max_models=a.clients) for i in range(2)]
         run = load(svc, keys, clients=a.clients, seconds=a.seconds, warmup_s=a.warmup)
@@ -35,7 +36,8 @@ def main() -> None:
         svc.stop()
     mib = [b / 2**20 for _, b in run.rss]
     after = [b / 2**20 for t, b in run.rss if t >= a.warmup]
-    emit("service_load", [{"clients": run.clients, "seconds": round(run.seconds), "errors": len(run.errors),
+    emit("service_load", [{"clients": run.clients, "max_models": a.max_models, "seconds": round(run.seconds),
+                           "errors": len(run.errors),
                            "train_steps": run.steps, "steps_per_s": round(run.steps / run.seconds, 2),
                            "sample_calls": run.samples, "rss_start_mib": round(mib[0]),
                            "rss_after_warmup_mib": round(after[0]), "rss_end_mib": round(mib[-1]),

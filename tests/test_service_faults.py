@@ -231,7 +231,7 @@ def test_a_request_that_keeps_killing_the_executor_is_failed_and_its_model_goes_
                    timeout=180, every=0.02, what=f"claim {attempt} of the heavy request")
         victim = executor_of(worker, old=victim and victim.pid)
         victim.kill()
-    with pytest.raises(Exception, match="executor died while running this request, 2 times"):
+    with pytest.raises(Exception, match="executor died 2 times while running this request"):
         doomed.result()
     for f in after:
         f.result()

@@ -161,7 +161,7 @@ def test_an_expired_checkpoint_is_deleted_and_its_path_is_a_404(tight):
     rest = sc.create_rest_client()
     wait_until(lambda: [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
                == ["weights/kept"], timeout=30, what="the janitor")
-    assert not (Path(tight.storage) / key).exists()
+    wait_until(lambda: not (Path(tight.storage) / key).exists(), timeout=10, what="its storage (after the row)")
     r = httpx.post(f"{tight.url}/api/v1/weights_info", headers={"X-API-Key": tight.keys["dana"]},
                    json={"tinker_path": brief})
     assert r.status_code == 404

@@ -67,7 +67,7 @@ class Lru(OrderedDict):
 
 
 class EngineHost:
-    def __init__(self, storage_url: str, cache_dir: str, threads: int, *, max_models: int = 8,
+    def __init__(self, storage_url: str, cache_dir: str, threads: int, *, max_models: int = 16,
                  max_sessions: int = 32, max_skeletons: int = 4, fetch_cache_bytes: int = 4 << 30):
         import torch
 

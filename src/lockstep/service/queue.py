@@ -237,8 +237,8 @@ def _requeue(session, max_attempts: int, *where) -> int:
     doomed = session.execute(
         update(Request).where(*running, Request.attempts >= max_attempts)
         .values(state=RequestState.FAILED.value, error_category="server", finished_at=at,
-                error=f"the executor died while running this request, {max_attempts} times out of "
-                      f"{max_attempts}; it is failed so that nothing else waits on it")
+                error=f"the executor died {max_attempts} times while running this request; it is failed so "
+                      f"that the requests after it can run")
         .returning(Request.model_id, Request.seq_id, Request.kind)).all()
     for row in doomed:
         if row.seq_id is not None and row.model_id is not None and row.kind != RequestKind.SAMPLE.value:

@@ -167,7 +167,7 @@ class WorkerConfig:
     idle_poll_s: float = 0.25
     max_attempts: int = 3
     """Executor deaths a request may cause before it is failed instead of requeued."""
-    max_models: int = 8
+    max_models: int = 16
     """Trainers held in memory; the least recently used beyond it is dropped and rebuilt on demand."""
     max_sessions: int = 32
     """Sampling sessions' pinned weights held in memory, likewise."""
