@@ -5,7 +5,9 @@ lengths. Shared by tests/test_service_fuzz.py (CI, in-process server) and bench/
 
 Generated ids rarely name a real object, so a drawn share of them is replaced by ids of objects
 that exist (tenant A's session, model, checkpoints, sampler, request), and the caller is drawn too
-(A, B, a wrong key, none): the cases then reach past the 404s into the validation and the store.
+(A, B, a wrong key, none): the cases then reach past the 404s into the validation and the store. A
+drawn share of all strings is replaced by hostile ones (HOSTILE_TEXT), which schemathesis alone
+rarely sends.
 """
 
 from __future__ import annotations
