@@ -349,22 +349,17 @@ def readme_config(tmp_path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def readme_run(tmp_path_factory, builtin_dir):
+@pytest.mark.slow  # ~320 SFT steps of 128 until 30% held-out accuracy: a few minutes on 2 cores
+def test_the_readme_example_config_learns(tmp_path, builtin_dir):
     """The README's example config, shortened: its SFT stage as written (until 30% held-out
-    accuracy, at most 600 steps), then 40 RL steps; pass@k off and 100 held-out problems."""
-    tmp = tmp_path_factory.mktemp("readme")
-    spec = load(readme_config(tmp), [f"model.path='{builtin_dir}'", "stages.1.steps=40", "env.pass_k=0",
-                                     "env.num_heldout=100"])
+    accuracy, at most 600 steps), then 40 RL steps; pass@k off and 100 held-out problems. With its
+    hand-written [[stages]] blocks it used to get the generic defaults, and RL took it from 0.285
+    held-out accuracy to 0.000 within 50 steps; now it learns and keeps learning (measured: 0.00
+    -> 0.32 after 315 SFT steps -> 0.55 and 0.47 at RL steps 25 and 40)."""
+    spec = load(readme_config(tmp_path), [f"model.path='{builtin_dir}'", "stages.1.steps=40", "env.pass_k=0",
+                                          "env.num_heldout=100"])
     assert [s.kind for s in spec.stages] == ["sft", "rl"] and spec.stages[1].max_staleness == 1
-    d = tmp / "run"
-    return d, run(spec, d)
-
-
-def test_the_readme_example_config_learns(readme_run):
-    """With hand-written [[stages]] blocks it used to get the generic defaults, and RL took it
-    from 0.285 held-out accuracy to 0.000 within 50 steps; now it learns and keeps learning."""
-    d, summary = readme_run
+    summary = run(spec, tmp_path / "run")
     assert summary["eval_accuracy_start"] <= 0.05
     assert summary["eval_accuracy_after_sft"] >= 0.25  # the warm-up reached its target (30%, on 100 problems)
     assert summary["accuracy_collapsed"] is None
@@ -374,11 +369,11 @@ def test_the_readme_example_config_learns(readme_run):
     assert len(rl_evals) == 2 and min(rl_evals) >= 0.2
 
 
-def test_a_collapse_of_held_out_accuracy_is_logged_and_reported(tmp_path, readme_run, caplog):
-    """RL at a learning rate far too high for the model, from the README run's warmed-up model:
-    held-out accuracy collapses, and the run says so (log, metrics.jsonl, summary.json)."""
-    model = readme_run[0] / "final_model"
-    spec = load(None, [f"model.path='{model}'", "stages=[{kind = 'rl', steps = 12, learning_rate = 0.02, "
+def test_a_collapse_of_held_out_accuracy_is_logged_and_reported(tmp_path, warm_dir, caplog):
+    """RL at a learning rate far too high for the model, from a warmed-up model (~30% held-out
+    accuracy): the accuracy collapses (measured: 0.47 -> 0.00 within 4 steps), and the run says
+    so in its log, in metrics.jsonl (what `lockstep logs` streams) and in summary.json."""
+    spec = load(None, [f"model.path='{warm_dir}'", "stages=[{kind = 'rl', steps = 12, learning_rate = 0.02, "
                        "eval_every = 4, max_staleness = 0}]", "env.pass_k=0", "env.num_heldout=100"])
     with caplog.at_level("WARNING", logger="lockstep.run"):
         summary = run(spec, tmp_path / "run")
