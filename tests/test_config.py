@@ -72,3 +72,55 @@ def test_user_suites_and_their_args():
     spec = load(None, ["env.name='mypkg.envs:make_suite'", "env.args={level = 3}", "rl.loss_config={tis_cap = 2.0}"])
     assert spec.env.name == "mypkg.envs:make_suite" and spec.env.args == {"level": 3}
     assert spec.stages[1].loss_config == {"tis_cap": 2.0}
+
+
+def test_a_user_written_stage_gets_its_kinds_tuned_defaults(tmp_path):
+    """The README's [[stages]] blocks name no learning rate or batch size: they get the embedded
+    default's tuned values per kind (RL at the generic 1e-3 collapsed a warmed-up model to 0%)."""
+    path = tmp_path / "run.toml"
+    path.write_text('[[stages]]\nkind = "sft"\nsteps = 600\n[[stages]]\nkind = "rl"\nmax_staleness = 1\n')
+    sft, rl = load(path).stages
+    embedded_sft, embedded_rl = load().stages
+    assert (sft.learning_rate, sft.batch_size, sft.eval_every) == (3e-3, 128, 5)
+    assert (rl.learning_rate, rl.eval_every) == (2e-4, 25)
+    for ours, embedded in ((sft, embedded_sft), (rl, embedded_rl)):
+        assert (ours.learning_rate, ours.batch_size, ours.eval_every) == (
+            embedded.learning_rate, embedded.batch_size, embedded.eval_every)
+
+
+def test_an_explicit_stage_value_wins_over_the_kinds_default(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[[stages]]\nkind = "sft"\nlearning_rate = 1e-3\nbatch_size = 64\neval_every = 50\n'
+                    '[[stages]]\nkind = "rl"\nlearning_rate = 1e-3\n')
+    sft, rl = load(path, ["rl.eval_every=7"]).stages
+    assert (sft.learning_rate, sft.batch_size, sft.eval_every) == (1e-3, 64, 50)
+    assert (rl.learning_rate, rl.eval_every) == (1e-3, 7)
+    spec = load(path)
+    assert from_dict(to_dict(spec)) == spec and to_dict(spec)["stages"][1]["learning_rate"] == 1e-3
+    assert from_dict({"stages": [{"kind": "rl", "learning_rate": None}]}).stages[0].learning_rate == 2e-4  # JSON null
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["rl.loss=stable_reinforce"], r"stages\[1\]\.loss: loss 'stable_reinforce' is not supported.*importance_sampling"),
+        (["rl.loss=nope"], r"stages\[1\]\.loss: unknown loss 'nope'; supported: cross_entropy, importance_sampling"),
+        (["rl.loss=ppo", "rl.loss_config={beta = 1.0}"], r"loss 'ppo' does not take config keys \['beta'\]"),
+        (["rl.loss_config={tis_cap = 'x'}"], r"loss config 'tis_cap' must be a finite number"),
+        (["rl.advantage=ppo"], r"advantage: expected one of \['grpo', 'rloo'\]"),
+    ],
+)
+def test_losses_and_advantages_are_checked_against_the_one_list_of_names(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load(None, overrides)
+
+
+def test_the_lists_of_names_match_what_they_name():
+    from lockstep.advantages import ADVANTAGE_ESTIMATORS
+    from lockstep.config.types import BUILTIN_ENVS, LOSSES
+    from lockstep.envs.registry import resolve_factory
+    from lockstep.losses import LOSS_CONFIG_KEYS
+
+    assert {k: tuple(v) for k, v in LOSS_CONFIG_KEYS.items()} == LOSSES
+    assert all(callable(resolve_factory(name)) for name in BUILTIN_ENVS)
+    assert load(None, ["rl.advantage=rloo"]).stages[1].advantage in ADVANTAGE_ESTIMATORS

@@ -64,10 +64,61 @@ def _decode_logprobs(model, seq, prefill):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-@pytest.mark.parametrize("use_lora", [False, True])
-def test_forward_is_bitwise_invariant(arch, use_lora, qwen2_dir, llama_dir):
-    hf, _ = load_model(qwen2_dir if arch == "qwen2" else llama_dir)
+def _random_dir(tmp_path_factory, arch: str) -> str:
+    """A small random model of `arch`, built from a config in code and saved with save_pretrained
+    (no download). Every weight, norms included, is redrawn far from its init (norms at 1, tiny
+    projections), so that a missing or wrong piece of the forward (Qwen3's q/k norms, an explicit
+    head_dim, biases) moves the logprobs by much more than float32 rounding."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    from lockstep.engine.tiny import build_char_tokenizer, char_vocab
+
+    common = dict(vocab_size=len(char_vocab()), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu", eos_token_id=2, pad_token_id=0)
+    config = {
+        "qwen2": lambda: Qwen2Config(**common),
+        "llama": lambda: LlamaConfig(**common, attention_bias=False),
+        "qwen3": lambda: Qwen3Config(**common, head_dim=24, use_sliding_window=False),  # head_dim != 64 / 4
+        "mistral": lambda: MistralConfig(**common, sliding_window=None),
+    }[arch]()
+    torch.manual_seed(len(arch))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gain = 3.0 if "lm_head" in name else 1.0  # logits spread over several nats
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else gain * torch.randn_like(p) / p.shape[-1] ** 0.5)
+    path = tmp_path_factory.mktemp(arch)
+    model.save_pretrained(path, safe_serialization=True)
+    build_char_tokenizer().save_pretrained(path)
+    assert json.loads((path / "config.json").read_text())["model_type"] == arch
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def arch_dirs(tmp_path_factory):
+    return {arch: _random_dir(tmp_path_factory, arch) for arch in ("qwen2", "llama", "qwen3", "mistral")}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral"])
+def test_forward_matches_transformers_own_forward(arch, arch_dirs):
+    """Each supported architecture, loaded from its directory, computes what transformers does."""
+    hf, _ = load_model(arch_dirs[arch])
+    model = InvariantLM(hf)
+    rng = random.Random(1)
+    seqs = [[rng.randrange(4, 260) for _ in range(n)] for n in (50, 33, 7)]
+    ours = _full_logprobs(model, seqs)
+    for seq, lp in zip(seqs, ours):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0], -1)
+        assert ref.std(-1).min() > 2.0  # far from uniform: a wrong forward could not hide in rounding
+        assert (lp - ref).abs().max() < 1e-4, arch
+
+
+@pytest.mark.parametrize("arch, use_lora", [("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True),
+                                            ("qwen3", False), ("mistral", False)])
+def test_forward_is_bitwise_invariant(arch, use_lora, arch_dirs):
+    hf, _ = load_model(arch_dirs[arch])
     if use_lora:
         hf = lora_mod.attach(hf, LoraSpec(rank=4, seed=3))
         g = torch.Generator().manual_seed(0)
@@ -95,13 +146,3 @@ def test_forward_is_bitwise_invariant(arch, use_lora, qwen2_dir, llama_dir):
         with hf.disable_adapter():
             off = _full_logprobs(model, seqs[:1])[0]
         assert not torch.equal(off, alone[0])
-
-
-def test_forward_matches_transformers_closely(qwen2_dir):
-    hf, _ = load_model(qwen2_dir)
-    model = InvariantLM(hf)
-    seq = list(range(10, 60))
-    ours = _full_logprobs(model, [seq])[0]
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0], -1)
-    assert (ours - ref).abs().max() < 1e-4

@@ -195,3 +195,39 @@ def test_hot_swap_between_decode_steps_keeps_logprobs_exact(qwen2_dir):
             assert before[:3].tolist() == list(s.logprobs[:3])  # tokens 0-2 sampled before the swap
             assert after[3:].tolist() == list(s.logprobs[3:])  # the rest under the new weights
             assert before[3:].tolist() != list(s.logprobs[3:])
+
+
+@pytest.fixture(scope="module")
+def peaky(qwen2_dir):
+    """A model whose next-token distributions are sharp (final norm scaled by 30, so the top
+    token often has p > 1 - 1e-5), as a trained model's are: then a top-p cumulative mass rounds
+    to 1 before the last token, and where one row's rule leaks into another it shows."""
+    hf, tok = load_model(qwen2_dir)
+    with torch.no_grad():
+        hf.model.norm.weight.mul_(30.0)
+    return Sampler(InvariantLM(hf), tok)
+
+
+MIXED = [  # (prompt, sampling params): each row its own treatment
+    ((5, 6, 7), dict(seed=1)),  # plain: the model's own distribution
+    ((5, 6, 8), dict(seed=2, temperature=0.7)),
+    ((9, 10), dict(seed=3, top_k=3)),
+    ((9, 11), dict(seed=4, top_p=0.9)),
+    ((9, 12), dict(seed=5, top_p=0.8, temperature=1.3)),
+    ((9, 13), dict(temperature=0.0)),  # greedy
+    ((5, 6, 7), dict(seed=6, top_k=50, top_p=0.95)),
+]
+
+
+@pytest.mark.parametrize("which", ["sampler", "peaky"])
+def test_mixed_sampling_params_per_row_never_depend_on_the_batch(which, request):
+    s = request.getfixturevalue(which)
+    reqs = [req(p, n=2, max_tokens=10, stop=(), **kw) for p, kw in MIXED]
+    alone = [s.sample([r])[0].sequences for r in reqs]
+    together = [r.sequences for r in s.sample(reqs)]
+    reversed_ = [r.sequences for r in s.sample(reqs[::-1])][::-1]
+    for k, (a, t, r) in enumerate(zip(alone, together, reversed_)):
+        assert a == t == r, f"row {k} ({MIXED[k][1]}) depends on what shares its batch"
+    for p, seqs in ((MIXED[0][0], together[0]), (MIXED[5][0], together[5])):  # plain and greedy rows
+        for seq in seqs:  # report the model's own log p, exactly the trainer's, in a mixed batch too
+            assert _trainer_logprobs(s.model, p, seq.tokens)[len(p) - 1 :].tolist() == list(seq.logprobs)

@@ -107,6 +107,37 @@ def test_claims_are_exclusive_on_postgres(postgres_url):
         assert queue.finish(s, req.id, wins[0], error="claimed by the race test")
 
 
+class in_process_reference:
+    """The engine itself, driven like the service drives it (same LoRA shape, Adam defaults of the
+    SDK, sampler on the trained weights)."""
+
+    def __init__(self, data, *, steps: int, lora: dict):
+        from lockstep.engine.sampler import Sampler
+        from lockstep.engine.tiny import ensure_tiny_model
+        from lockstep.engine.trainer import Trainer
+        from lockstep.engine.types import AdamParams, Datum
+        from lockstep.service.host import lora_spec
+
+        self.trainer = Trainer.from_pretrained(ensure_tiny_model(), lora=lora_spec(lora))
+        self.data = [Datum(tuple(d.model_input.to_ints()), {k: v.to_numpy() for k, v in d.loss_fn_inputs.items()})
+                     for d in data]
+        adam = AdamParams(**types.AdamParams(learning_rate=1e-2).model_dump())
+        for _ in range(steps):
+            self.trainer.forward_backward(self.data, "cross_entropy")
+            self.trainer.optim_step(adam)
+        self.sampler = Sampler(self.trainer.model, self.trainer.tokenizer)
+
+    def forward(self, _data) -> list[np.ndarray]:
+        return [o["logprobs"] for o in self.trainer.forward(self.data, "cross_entropy").loss_fn_outputs]
+
+    def sample(self, prompt, *, num_samples: int, max_tokens: int, seed: int) -> list[tuple]:
+        from lockstep.engine.types import SampleRequest, SamplingParams
+
+        [res] = self.sampler.sample([SampleRequest(tuple(prompt), SamplingParams(max_tokens=max_tokens, seed=seed),
+                                                   num_samples=num_samples)])
+        return [(s.tokens, s.logprobs) for s in res.sequences]
+
+
 def test_sdk_session_on_postgres_and_s3(tmp_path, postgres_url, s3):
     env, client = s3
     srv = make_server(tmp_path, db=postgres_url, storage="s3://lockstep-test/service", env=env)
@@ -127,7 +158,12 @@ def test_sdk_session_on_postgres_and_s3(tmp_path, postgres_url, s3):
         sampler = sc.create_sampling_client(model_path=tc.save_weights_for_sampler("s").result().path)
         res = sampler.sample(prompt=types.ModelInput.from_ints(tok.encode("3+3=")), num_samples=2,
                              sampling_params=types.SamplingParams(max_tokens=3, seed=0)).result()
-        assert len(res.sequences) == 2 and all(np.isfinite(s.logprobs).all() for s in res.sequences)
+        # The same steps on an in-process trainer: the server on PostgreSQL and S3 trained, stored
+        # and sampled exactly what the engine does (tokens and logprobs bit for bit).
+        local = in_process_reference(data, steps=3, lora={"rank": 4, "seed": 3})
+        assert all((a == b).all() for a, b in zip(want, local.forward(data)))
+        expected = local.sample(tok.encode("3+3="), num_samples=2, max_tokens=3, seed=0)
+        assert [(tuple(s.tokens), tuple(s.logprobs)) for s in res.sequences] == expected
     finally:
         srv.stop()
     keys = [o["Key"] for o in client.list_objects_v2(Bucket="lockstep-test", Prefix="service/")["Contents"]]

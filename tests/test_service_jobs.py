@@ -216,7 +216,10 @@ def test_cancel_and_the_concurrent_jobs_quota(service):
     first = submit(service, "solo", "rl.steps=400", name="long")
     wait_state(service, "solo", first, ("running",))
     second = submit(service, "solo", name="waits")
-    time.sleep(3)  # a slot is free, but the tenant may run one job at a time
+    # A slot is free, but the tenant may run one job at a time: a later job of another tenant
+    # starts in that slot (the scheduler, going oldest first, passed `second` by) while it waits.
+    later = submit(service, "alice", name="later")
+    wait_state(service, "alice", later, ("running", "succeeded"))
     assert api(service, "solo", "GET", f"jobs/{second}").json()["state"] == "queued"
     assert api(service, "solo", "POST", f"jobs/{first}/cancel").json()["state"] == "cancelling"
     assert wait_state(service, "solo", first, ("cancelled",))["state"] == "cancelled"

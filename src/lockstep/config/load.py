@@ -26,6 +26,11 @@ def _suggest(key: str, options: Sequence[str]) -> str:
 
 
 def _coerce(path: str, value: Any, annotation) -> Any:
+    args = typing.get_args(annotation)
+    if type(None) in args:  # `X | None`: None (JSON null) leaves the default to the spec
+        if value is None:
+            return None
+        annotation = next(a for a in args if a is not type(None))
     kind = typing.get_origin(annotation) or annotation
     if kind is typing.Literal or isinstance(annotation, str):
         return value

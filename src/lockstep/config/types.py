@@ -6,8 +6,12 @@ itself in __post_init__ and raises ConfigError with the key path and what was ex
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import Literal
+
+from lockstep.advantages import ADVANTAGE_ESTIMATORS
 
 
 class ConfigError(ValueError):
@@ -32,6 +36,42 @@ class ModelSpec:
 
 
 BUILTIN_ENVS = ("arithmetic", "math", "reasoning_gym")
+"""The built-in env suites, each `lockstep.envs.<name>:make_suite`; the one list of their names."""
+
+LOSSES: dict[str, tuple[str, ...]] = {
+    "cross_entropy": (),
+    "importance_sampling": (),
+    "ppo": ("clip_low_threshold", "clip_high_threshold"),
+    "cispo": ("clip_low_threshold", "clip_high_threshold"),
+    "dro": ("beta",),
+    "gspo": ("clip_low_threshold", "clip_high_threshold"),
+}
+"""The built-in losses and the config keys each takes: the one torch-free list of their names
+(the engine's registry in `lockstep.losses` registers exactly these, and checks it at import)."""
+
+UNSUPPORTED_LOSSES: dict[str, str] = {
+    "stable_reinforce": "its math is unpublished, so it cannot be reproduced faithfully",
+}
+"""Names a user may reasonably ask for that are deliberately not implemented, with the reason."""
+
+LOSS_CORRECTION_KEYS = ("tis_cap", "mis_low", "mis_high")
+"""Config keys every loss accepts: truncated / masked importance-sampling corrections."""
+
+
+def check_loss(name: str, config: dict) -> None:
+    """A built-in loss and config keys it takes, with finite numbers; ConfigError otherwise."""
+    supported = ", ".join(LOSSES)
+    if name in UNSUPPORTED_LOSSES:
+        raise ConfigError(f"loss {name!r} is not supported: {UNSUPPORTED_LOSSES[name]}; supported: {supported}")
+    if name not in LOSSES:
+        raise ConfigError(f"unknown loss {name!r}; supported: {supported}")
+    allowed = set(LOSSES[name]) | set(LOSS_CORRECTION_KEYS)
+    unknown = sorted(set(config) - allowed)
+    if unknown:
+        raise ConfigError(f"loss {name!r} does not take config keys {unknown}; it takes {sorted(allowed)}")
+    for key, value in config.items():
+        if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+            raise ConfigError(f"loss config {key!r} must be a finite number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -84,15 +124,26 @@ class EnvSpec:
         _require("{question}" in self.prompt_template, "env.prompt_template", "a string containing {question}", self.prompt_template)
 
 
+STAGE_DEFAULTS: dict[str, dict] = {
+    # The embedded default's tuned values (measured on the built-in model, see default_stages): a
+    # user-written [[stages]] block gets them too. RL at 1e-3 took a warmed-up model from 0.285 to
+    # 0.000 held-out accuracy within 50 steps; 2e-4 keeps it learning.
+    "sft": {"learning_rate": 3e-3, "batch_size": 128, "eval_every": 5},
+    "rl": {"learning_rate": 2e-4, "batch_size": 64, "eval_every": 25},
+}
+"""Per stage kind, the values of fields left unset (an explicit value always wins)."""
+
+
 @dataclass(frozen=True)
 class StageSpec:
     kind: Literal["sft", "rl"] = "rl"
     """"sft": cross-entropy on correct examples; "rl": sample, reward, advantage, policy loss."""
     steps: int = 100
     """Optimizer steps in this stage (an RL stage may stop earlier, see max_seconds/target_accuracy)."""
-    learning_rate: float = 1e-3
-    batch_size: int = 64
-    """sft: examples per step."""
+    learning_rate: float | None = None
+    """None: the stage kind's default (STAGE_DEFAULTS)."""
+    batch_size: int | None = None
+    """sft: examples per step (None: the kind's default)."""
     prompts_per_step: int = 16
     """rl: prompt groups per optimizer step."""
     group_size: int = 8
@@ -106,8 +157,9 @@ class StageSpec:
     """Stop the stage after this much wall time (0: no limit)."""
     target_accuracy: float = 0.0
     """Stop the stage once held-out accuracy reaches this (0: never)."""
-    eval_every: int = 50
-    """Evaluate held-out greedy accuracy every this many steps (and at the end)."""
+    eval_every: int | None = None
+    """Evaluate held-out greedy accuracy every this many steps (and at the end); None: the kind's
+    default."""
     dataset: str = ""
     """sft: a .jsonl or .parquet file of `prompt` / `completion` rows (empty: the env's own
     solved examples)."""
@@ -122,7 +174,10 @@ class StageSpec:
 
     def __post_init__(self) -> None:
         p = f"stages[{self.kind}]"
-        _require(self.kind in ("sft", "rl"), f"{p}.kind", "'sft' or 'rl'", self.kind)
+        _require(self.kind in STAGE_DEFAULTS, f"{p}.kind", "'sft' or 'rl'", self.kind)
+        for name, value in STAGE_DEFAULTS[self.kind].items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)  # frozen: resolved once, here
         for name in ("steps", "batch_size", "prompts_per_step", "eval_every"):
             v = getattr(self, name)
             _require(isinstance(v, int) and v >= 1, f"{p}.{name}", "an integer >= 1", v)
@@ -131,7 +186,8 @@ class StageSpec:
         _require(isinstance(self.learning_rate, (int, float)) and 0 < self.learning_rate < 1, f"{p}.learning_rate", "a number in (0, 1)", self.learning_rate)
         _require(isinstance(self.temperature, (int, float)) and 0 < self.temperature <= 2, f"{p}.temperature", "a number in (0, 2]", self.temperature)
         _require(self.max_seconds >= 0 and 0 <= self.target_accuracy <= 1, f"{p}.max_seconds/target_accuracy", ">= 0 and accuracy in [0, 1]", (self.max_seconds, self.target_accuracy))
-        _require(self.advantage in ("grpo", "rloo"), f"{p}.advantage", "'grpo' or 'rloo'", self.advantage)
+        _require(self.advantage in ADVANTAGE_ESTIMATORS, f"{p}.advantage", f"one of {list(ADVANTAGE_ESTIMATORS)}",
+                 self.advantage)
         _require(self.truncation in ("keep", "mask", "penalize"), f"{p}.truncation", "'keep', 'mask' or 'penalize'", self.truncation)
         _require(self.stale_policy in ("regenerate", "drop"), f"{p}.stale_policy", "'regenerate' or 'drop'", self.stale_policy)
         _require(self.kind == "sft" or not self.dataset, f"{p}.dataset", "empty for an rl stage (rl data comes from [env])", self.dataset)
@@ -139,14 +195,14 @@ class StageSpec:
 
 def default_stages() -> tuple[StageSpec, ...]:
     return (
-        # Warm-up: stop as soon as held-out accuracy passes 30%, leaving the rest to RL.
-        # Evaluated every 5 steps: accuracy can jump from 15% to 60% within 25 steps.
-        StageSpec(kind="sft", steps=600, learning_rate=3e-3, batch_size=128, eval_every=5, target_accuracy=0.3),
-        # GRPO until held-out accuracy reaches 85% (the final eval then repeats that exact greedy
-        # result) or 400 s pass. Staleness 2 rather than 1: with half the groups dropped for zero
-        # variance, leftovers from the older in-flight batch are otherwise discarded as stale.
-        StageSpec(kind="rl", steps=3000, learning_rate=2e-4, prompts_per_step=16, group_size=8, max_staleness=2,
-                  max_seconds=400.0, target_accuracy=0.85, eval_every=25),
+        # Warm-up (3e-3, batches of 128): stop as soon as held-out accuracy passes 30%, leaving the
+        # rest to RL. Evaluated every 5 steps: accuracy can jump from 15% to 60% within 25 steps.
+        StageSpec(kind="sft", steps=600, target_accuracy=0.3),
+        # GRPO (2e-4) until held-out accuracy reaches 85% (the final eval then repeats that exact
+        # greedy result) or 400 s pass. Staleness 2 rather than 1: with half the groups dropped for
+        # zero variance, leftovers from the older in-flight batch are otherwise discarded as stale.
+        StageSpec(kind="rl", steps=3000, prompts_per_step=16, group_size=8, max_staleness=2, max_seconds=400.0,
+                  target_accuracy=0.85),
     )
 
 
@@ -191,3 +247,9 @@ class RunSpec:
 
     def __post_init__(self) -> None:
         _require(len(self.stages) >= 1, "stages", "at least one stage", self.stages)
+        for i, stage in enumerate(self.stages):
+            if stage.kind == "rl":
+                try:
+                    check_loss(stage.loss, dict(stage.loss_config))
+                except ConfigError as e:
+                    raise ConfigError(f"stages[{i}].loss: {e}") from None

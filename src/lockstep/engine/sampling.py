@@ -57,13 +57,19 @@ class RowParams:
         return RowParams(*(t.index_select(0, rows) for t in (self.temperature, self.top_k, self.top_p, self.seeds)))
 
     @property
-    def plain(self) -> bool:
-        """True when every row samples from the model's own distribution (T=1, no truncation)."""
-        return bool((self.temperature == 1).all() and (self.top_k == -1).all() and (self.top_p >= 1).all())
+    def greedy_R(self) -> torch.Tensor:
+        return self.temperature == 0
+
+    @property
+    def plain_R(self) -> torch.Tensor:
+        """Rows that sample from the model's own distribution (T=1, no truncation)."""
+        return (self.temperature == 1) & (self.top_k == -1) & (self.top_p >= 1)
 
 
 def _truncate(scaled: torch.Tensor, p: RowParams) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p set with -inf."""
+    """Mask logits outside each row's top-k and top-p set with -inf. A row without top-k
+    (top_k=-1) or top-p (top_p=1) is not touched by that rule: its cumulative mass may round to 1
+    before the last token, and dropping the tail then would change its logprobs."""
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     V = scaled.shape[-1]
     rank = torch.arange(V).expand_as(sorted_logits)
@@ -71,33 +77,39 @@ def _truncate(scaled: torch.Tensor, p: RowParams) -> torch.Tensor:
     drop = rank >= k
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
-    drop |= mass_before >= p.top_p.unsqueeze(1)
+    drop |= (mass_before >= p.top_p.unsqueeze(1)) & (p.top_p < 1).unsqueeze(1)
     drop[:, 0] = False  # always keep the most likely token
     mask = torch.zeros_like(drop).scatter(1, order, drop)
     return scaled.masked_fill(mask, float("-inf"))
 
 
+def _shaped_logp(logits: torch.Tensor, p: RowParams) -> torch.Tensor:
+    """log p of the distribution each (non-plain, non-greedy) row samples from: temperature, then
+    its own top-k / top-p, if any."""
+    scaled = logits / p.temperature.unsqueeze(1)
+    truncating = (p.top_k > 0) | (p.top_p < 1)
+    if bool(truncating.any()):
+        scaled = torch.where(truncating.unsqueeze(1), _truncate(scaled, p), scaled)
+    return log_softmax(scaled)
+
+
 def choose(logits: torch.Tensor, p: RowParams, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; return (tokens, logprob of each under the distribution used).
 
-    Greedy rows (temperature 0) report the model's log p of the argmax token.
+    Each row gets its own parameters' treatment, whatever the other rows ask for: a plain row's
+    distribution is exactly the model's `log_softmax` (the trainer's), a shaped row's is computed
+    on its own rows only, and greedy rows (temperature 0) take the argmax and report the model's
+    log p. Row-wise ops are batch-invariant, so a row never depends on what shares its batch.
     """
-    model_logp = log_softmax(logits)
-    if p.plain:
-        dist_logp = model_logp
-    else:
-        greedy = p.temperature == 0
-        temp = torch.where(greedy, torch.ones_like(p.temperature), p.temperature).unsqueeze(1)
-        scaled = logits / temp
-        if bool(((p.top_k > 0) | (p.top_p < 1)).any()):
-            scaled = _truncate(scaled, p)
-        dist_logp = log_softmax(scaled)
+    dist_logp = model_logp = log_softmax(logits)
+    greedy_R = p.greedy_R
+    shaped_R = ~(p.plain_R | greedy_R)
+    if bool(shaped_R.any()):
+        rows = shaped_R.nonzero().squeeze(1)
+        dist_logp = model_logp.index_copy(0, rows, _shaped_logp(logits.index_select(0, rows), p.select(rows)))
     cdf = torch.cumsum(torch.exp(dist_logp.double()), dim=-1)
     u = uniform(p.seeds, step) * cdf[:, -1]
     tokens = torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
-    if not p.plain:
-        greedy = p.temperature == 0
-        if bool(greedy.any()):
-            tokens = torch.where(greedy, logits.argmax(-1), tokens)
-            dist_logp = torch.where(greedy.unsqueeze(1), model_logp, dist_logp)
+    if bool(greedy_R.any()):
+        tokens = torch.where(greedy_R, logits.argmax(-1), tokens)
     return tokens, dist_logp.gather(1, tokens.unsqueeze(1)).squeeze(1)

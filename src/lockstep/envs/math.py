@@ -23,11 +23,10 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
 
-from lockstep.envs.prompts import check_prompt_settings, render_prompt
-from lockstep.envs.rows import EpochBatches, read_rows, sft_from_file
-from lockstep.envs.types import DataReport, EnvError, Observation, SFTExample, StepResult
+from lockstep.envs.rows import read_rows
+from lockstep.envs.text import SingleTurnEnv, TextSuite
+from lockstep.envs.types import EnvError
 
 PARSE_TIMEOUT_S = 3
 """math-verify's bound on parsing one answer (seconds, an int: it is a `signal.alarm`)."""
@@ -116,25 +115,16 @@ class Problem:
     """The reference answer (or a full solution with a \\boxed answer)."""
 
 
-class MathEnv:
-    """One single-turn episode: the prompt, one completion, reward 1 when it is correct."""
+class MathEnv(SingleTurnEnv):
+    """One single-turn episode: reward 1 when math-verify finds the completion correct."""
 
     def __init__(self, prompt: tuple[int, ...], answer: str, tokenizer, *, max_tokens: int):
-        self.prompt, self.answer, self.tokenizer, self.max_tokens = prompt, answer, tokenizer, max_tokens
+        super().__init__(prompt, tokenizer, max_tokens=max_tokens)
+        self.answer = answer
 
-    async def initial_observation(self) -> Observation:
-        return Observation(self.prompt, None, self.max_tokens)
-
-    async def step(self, action: Sequence[int]) -> StepResult:
-        completion = self.tokenizer.decode(list(action), skip_special_tokens=True)
-        reward = 1.0 if await grade_async(self.answer, completion) else 0.0
-        return StepResult(reward, True, metrics={"correct": reward})
-
-    def snapshot(self) -> None:
-        return None  # single turn: there is no state between steps
-
-    def restore(self, snapshot: None) -> None:
-        pass
+    async def score(self, completion: str) -> tuple[float, bool]:
+        correct = await grade_async(self.answer, completion)
+        return (1.0 if correct else 0.0), correct
 
 
 @dataclass(frozen=True)
@@ -150,46 +140,14 @@ class MathGroupBuilder:
         return [MathEnv(self.prompt, self.answer, tokenizer, max_tokens=self.max_tokens) for _ in range(group_size)]
 
 
-class MathTrainBatches:
-    """Batches of training problems, a fresh shuffle each epoch."""
-
-    def __init__(self, suite: "MathSuite", batch_size: int):
-        self.suite = suite
-        self.batches = EpochBatches(len(suite.problems), batch_size, suite.seed)
-
-    def get_batch(self, index: int) -> list[MathGroupBuilder]:
-        s = self.suite
-        return [s.builder(f"math-{index}-{j}", s.problems[k]) for j, k in enumerate(self.batches.indices(index))]
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-
-class MathSolvedBatches:
-    """Supervised examples from the training rows: the prompt, then the reference answer and EOS."""
-
-    def __init__(self, suite: "MathSuite", batch_size: int):
-        self.suite = suite
-        self.batches = EpochBatches(len(suite.problems), batch_size, suite.seed)
-
-    def get_batch(self, index: int) -> list[SFTExample]:
-        s, eos = self.suite, self.suite.tokenizer.eos_token_id
-        return [SFTExample(s.render(p.question), tuple(s.tokenizer.encode(p.answer)) + (eos,))
-                for p in (s.problems[k] for k in self.batches.indices(index))]
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-
-class MathSuite:
+class MathSuite(TextSuite):
     name = "math"
+    group_prefix = "math"
 
     def __init__(self, tokenizer, *, path: str, test_path: str = "", num_heldout: int, seed: int,
                  prompt_template: str, chat_template: bool, max_tokens: int):
-        check_prompt_settings(tokenizer, template=prompt_template, chat=chat_template)
-        self.tokenizer, self.seed, self.max_tokens = tokenizer, seed, max_tokens
-        self.prompt_template, self.chat_template = prompt_template, chat_template
-        self._reports: dict[str, DataReport] = {}
+        super().__init__(tokenizer, seed=seed, prompt_template=prompt_template, chat_template=chat_template,
+                         max_tokens=max_tokens)
         rows = self._read(path)
         if test_path:
             heldout = self._read(test_path)
@@ -213,29 +171,22 @@ class MathSuite:
         rows, self._reports[path] = read_rows(path, FIELDS)
         return rows
 
-    def render(self, question: str) -> tuple[int, ...]:
-        return render_prompt(self.tokenizer, question, template=self.prompt_template, chat=self.chat_template)
-
     def builder(self, group_id: str, problem: Problem) -> MathGroupBuilder:
         return MathGroupBuilder(group_id, problem.question, problem.answer, self.render(problem.question),
                                 self.max_tokens)
 
-    def train(self, batch_size: int) -> MathTrainBatches:
-        return MathTrainBatches(self, batch_size)
+    @property
+    def num_train(self) -> int:
+        return len(self.problems)
+
+    def train_builder(self, group_id: str, k: int) -> MathGroupBuilder:
+        return self.builder(group_id, self.problems[k])
+
+    def solved(self, k: int) -> tuple[str, str]:
+        return self.problems[k].question, self.problems[k].answer
 
     def heldout(self) -> list[MathGroupBuilder]:
         return [self.builder(f"heldout-{k}", p) for k, p in enumerate(self.heldout_problems)]
-
-    def sft(self, batch_size: int, path: str = ""):
-        if not path:
-            return MathSolvedBatches(self, batch_size)
-        dataset, self._reports[path] = sft_from_file(path, self.tokenizer, batch_size=batch_size, seed=self.seed,
-                                                     render_prompt=self.render)
-        return dataset
-
-    @property
-    def data_reports(self) -> dict[str, DataReport]:
-        return dict(self._reports)
 
 
 def make_suite(spec, tokenizer, seed: int) -> MathSuite:

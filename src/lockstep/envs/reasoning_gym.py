@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
-from lockstep.envs.prompts import check_prompt_settings, render_prompt
-from lockstep.envs.rows import EpochBatches, sft_from_file
-from lockstep.envs.types import DataReport, EnvError, Observation, SFTExample, StepResult
+from lockstep.envs.text import SingleTurnEnv, TextSuite
+from lockstep.envs.types import EnvError
 
 
 @dataclass(frozen=True)
@@ -68,26 +67,16 @@ def extract_answer(completion: str) -> str:
     return (completion if inner is None else inner).strip()
 
 
-class ReasoningGymEnv:
+class ReasoningGymEnv(SingleTurnEnv):
     """One single-turn episode, scored by the task's `score_answer`."""
 
     def __init__(self, ref: TaskRef, entry: dict, prompt: tuple[int, ...], tokenizer, *, max_tokens: int):
-        self.ref, self.entry, self.prompt, self.tokenizer, self.max_tokens = ref, entry, prompt, tokenizer, max_tokens
+        super().__init__(prompt, tokenizer, max_tokens=max_tokens)
+        self.ref, self.entry = ref, entry
 
-    async def initial_observation(self) -> Observation:
-        return Observation(self.prompt, None, self.max_tokens)
-
-    async def step(self, action: Sequence[int]) -> StepResult:
-        completion = self.tokenizer.decode(list(action), skip_special_tokens=True)
-        dataset = task_dataset(self.ref)
-        score = float(dataset.score_answer(answer=extract_answer(completion), entry=self.entry))
-        return StepResult(score, True, metrics={"correct": 1.0 if score == 1.0 else 0.0})
-
-    def snapshot(self) -> None:
-        return None  # single turn: there is no state between steps
-
-    def restore(self, snapshot: None) -> None:
-        pass
+    async def score(self, completion: str) -> tuple[float, bool]:
+        score = float(task_dataset(self.ref).score_answer(answer=extract_answer(completion), entry=self.entry))
+        return score, score == 1.0
 
 
 @dataclass(frozen=True)
@@ -107,59 +96,20 @@ class ReasoningGymGroupBuilder:
                 for _ in range(group_size)]
 
 
-class ReasoningGymTrainBatches:
-    def __init__(self, suite: "ReasoningGymSuite", batch_size: int):
-        self.suite = suite
-        self.batches = EpochBatches(suite.train_ref.size, batch_size, suite.seed)
-
-    def get_batch(self, index: int) -> list[ReasoningGymGroupBuilder]:
-        s = self.suite
-        out = []
-        for j, k in enumerate(self.batches.indices(index)):
-            i, entry = s.train_item(k)
-            out.append(ReasoningGymGroupBuilder(f"rg-{index}-{j}", s.train_ref, i, entry, s.render(entry["question"]),
-                                                s.max_tokens))
-        return out
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-
-class ReasoningGymSolvedBatches:
-    """Supervised examples from training items: the prompt, then the task's answer and EOS."""
-
-    def __init__(self, suite: "ReasoningGymSuite", batch_size: int):
-        self.suite = suite
-        self.batches = EpochBatches(suite.train_ref.size, batch_size, suite.seed)
-
-    def get_batch(self, index: int) -> list[SFTExample]:
-        s, eos = self.suite, self.suite.tokenizer.eos_token_id
-        out = []
-        for k in self.batches.indices(index):
-            _, entry = s.train_item(k)
-            s.require_answer(entry)
-            out.append(SFTExample(s.render(entry["question"]), tuple(s.tokenizer.encode(str(entry["answer"]))) + (eos,)))
-        return out
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-
-class ReasoningGymSuite:
+class ReasoningGymSuite(TextSuite):
     name = "reasoning_gym"
+    group_prefix = "rg"
 
     def __init__(self, tokenizer, *, task: str, size: int, num_heldout: int, seed: int, prompt_template: str,
                  chat_template: bool, max_tokens: int):
-        check_prompt_settings(tokenizer, template=prompt_template, chat=chat_template)
-        self.tokenizer, self.seed, self.max_tokens = tokenizer, seed, max_tokens
-        self.prompt_template, self.chat_template = prompt_template, chat_template
+        super().__init__(tokenizer, seed=seed, prompt_template=prompt_template, chat_template=chat_template,
+                         max_tokens=max_tokens)
         self.train_ref = TaskRef(task, size, seed)
         self.heldout_ref = TaskRef(task, num_heldout, seed + size)
         self.train_data = task_dataset(self.train_ref)
         heldout_data = task_dataset(self.heldout_ref)
         self.heldout_entries = [heldout_data[i] for i in range(num_heldout)]
         self._heldout_questions = {e["question"] for e in self.heldout_entries}
-        self._reports: dict[str, DataReport] = {}
 
     def train_item(self, k: int) -> tuple[int, dict]:
         """Training item `k`, or the next one whose question is not held out."""
@@ -178,28 +128,27 @@ class ReasoningGymSuite:
             raise EnvError(f"reasoning_gym task {self.train_ref.task!r} has no reference answers to train on; "
                            f"give the sft stage a data file of prompts and completions")
 
-    def render(self, question: str) -> tuple[int, ...]:
-        return render_prompt(self.tokenizer, question, template=self.prompt_template, chat=self.chat_template)
+    @property
+    def num_train(self) -> int:
+        return self.train_ref.size
 
-    def train(self, batch_size: int) -> ReasoningGymTrainBatches:
-        return ReasoningGymTrainBatches(self, batch_size)
+    def train_builder(self, group_id: str, k: int) -> ReasoningGymGroupBuilder:
+        i, entry = self.train_item(k)
+        return ReasoningGymGroupBuilder(group_id, self.train_ref, i, entry, self.render(entry["question"]),
+                                        self.max_tokens)
+
+    def solved(self, k: int) -> tuple[str, str]:
+        _, entry = self.train_item(k)
+        self.require_answer(entry)
+        return entry["question"], str(entry["answer"])
+
+    def check_solvable(self) -> None:
+        self.require_answer(self.train_item(0)[1])  # fail at stage start, not at the first batch
 
     def heldout(self) -> list[ReasoningGymGroupBuilder]:
         return [ReasoningGymGroupBuilder(f"heldout-{k}", self.heldout_ref, k, e, self.render(e["question"]),
                                          self.max_tokens)
                 for k, e in enumerate(self.heldout_entries)]
-
-    def sft(self, batch_size: int, path: str = ""):
-        if not path:
-            self.require_answer(self.train_item(0)[1])  # fail at stage start, not at the first batch
-            return ReasoningGymSolvedBatches(self, batch_size)
-        dataset, self._reports[path] = sft_from_file(path, self.tokenizer, batch_size=batch_size, seed=self.seed,
-                                                     render_prompt=self.render)
-        return dataset
-
-    @property
-    def data_reports(self) -> dict[str, DataReport]:
-        return dict(self._reports)
 
 
 def make_suite(spec, tokenizer, seed: int) -> ReasoningGymSuite:

@@ -14,6 +14,7 @@ from typing import Mapping
 
 import torch
 
+from lockstep.config.types import LOSS_CORRECTION_KEYS, LOSSES as BUILTIN_LOSSES, UNSUPPORTED_LOSSES
 from lockstep.losses import cispo, cross_entropy, dro, gspo, importance_sampling, ppo
 from lockstep.losses.corrections import CORRECTION_KEYS, apply_corrections
 from lockstep.losses.types import LossError, LossFn, LossInputs, is_metric_key
@@ -36,10 +37,9 @@ LOSSES: dict[str, LossFn] = {}
 LOSS_CONFIG_KEYS: dict[str, Mapping[str, float] | None] = {}
 """Per loss, its allowed config keys with defaults; None means the loss accepts any keys."""
 
-_UNSUPPORTED: dict[str, str] = {
-    "stable_reinforce": "its math is unpublished, so it cannot be reproduced faithfully",
-}
-"""Names a user may reasonably ask for that are deliberately not implemented, with the reason."""
+_UNSUPPORTED = UNSUPPORTED_LOSSES
+"""Names a user may reasonably ask for that are deliberately not implemented, with the reason
+(listed with the built-in names in the torch-free config contract)."""
 
 # Per-token tensors whose values come from the user's datums, with the name the user knows them by.
 _USER_FIELDS = (
@@ -145,3 +145,6 @@ register_loss("ppo", ppo.ppo_loss, config_keys=ppo.CONFIG_KEYS)
 register_loss("cispo", cispo.cispo_loss, config_keys=cispo.CONFIG_KEYS)
 register_loss("dro", dro.dro_loss, config_keys=dro.CONFIG_KEYS)
 register_loss("gspo", gspo.gspo_loss, config_keys=gspo.CONFIG_KEYS)
+# The torch-free list of built-in names (config, the service's API) must be exactly this registry.
+assert {k: tuple(v) for k, v in LOSS_CONFIG_KEYS.items()} == BUILTIN_LOSSES, "update config.types.LOSSES"
+assert set(CORRECTION_KEYS) == set(LOSS_CORRECTION_KEYS), "update config.types.LOSS_CORRECTION_KEYS"

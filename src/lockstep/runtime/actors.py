@@ -4,7 +4,9 @@ Each actor sets its own torch thread count (Ray would otherwise give it 1, and t
 taking every core oversubscribe a small machine). Weights travel as a dict of NumPy arrays through
 Ray's object store: on one node the generator maps them zero-copy and swaps its parameters to
 point at them between decode steps. Every actor reports an `incarnation` id in `stats()`, so the
-controller can tell that Ray restarted it (and must give it weights again).
+controller can tell that Ray restarted it (and must give it weights again). A restarted trainer
+or generator refuses the calls that need its lost state (ActorRestarted) until it is given it
+again, so a restart that happens between two calls is noticed rather than trained or sampled on.
 """
 
 from __future__ import annotations
@@ -19,12 +21,18 @@ import numpy as np
 import ray
 
 from lockstep.runtime.episodes import run_episodes
+from lockstep.runtime.types import ActorRestarted
 
 
 def _set_threads(n: int) -> None:
     import torch
 
     torch.set_num_threads(n)
+
+
+def _reconstructed() -> bool:
+    """Whether Ray restarted this actor: whatever the controller had given it is gone."""
+    return ray.get_runtime_context().was_current_actor_reconstructed
 
 
 def _load(model_path: str, lora_rank: int, lora_alpha: float):
@@ -64,6 +72,16 @@ class TrainerActor:
         self.trainer = _load(model_path, lora_rank, lora_alpha)
         self.busy_s = 0.0
         self.incarnation = uuid.uuid4().hex
+        self.state_lost = _reconstructed()
+        """True after a restart until load_state or start_fresh: the base weights are not the run's."""
+
+    def _require_state(self) -> None:
+        if self.state_lost:
+            raise ActorRestarted("the trainer was restarted and lost its weights and optimizer state")
+
+    def start_fresh(self) -> None:
+        """The run starts from the base model: the weights this incarnation loaded are the ones."""
+        self.state_lost = False
 
     def train(self, data, loss: str, adam: dict, loss_config: dict | None = None,
               sampled_from: list[int] | None = None) -> dict:
@@ -71,6 +89,7 @@ class TrainerActor:
         mismatch panel (trainer vs sampler logprobs of the same tokens)."""
         from lockstep.engine.types import AdamParams
 
+        self._require_state()
         t = time.perf_counter()
         out = self.trainer.forward_backward(data, loss, loss_config or {})
         metrics = dict(out.metrics)
@@ -84,17 +103,21 @@ class TrainerActor:
     @ray.method(num_returns=2)
     def publish(self) -> tuple[int, dict[str, np.ndarray]]:
         """(version, weights); returned through the object store, so readers map it zero-copy."""
+        self._require_state()
         return self.trainer.step, self.trainer.weights_numpy()
 
     def save_state(self, path: str, data_position) -> str:
+        self._require_state()
         return str(self.trainer.save_state(path, data_position=data_position, overwrite=True))
 
     def load_state(self, path: str) -> dict:
         """Weights, optimizer, RNG and step from a checkpoint; returns its data position."""
         self.trainer.load_state(path)
+        self.state_lost = False
         return self.trainer.data_position
 
     def export(self, path: str) -> str:
+        self._require_state()
         return str(self.trainer.save_weights_for_sampler(path, kind="merged", overwrite=True))
 
     def set_threads(self, n: int) -> None:
@@ -127,6 +150,8 @@ class GeneratorActor:
         self.busy_s = 0.0
         self.swap_latency_s: list[float] = []
         self.incarnation = uuid.uuid4().hex
+        self.weights_lost = _reconstructed()
+        """True after a restart until set_weights: the base weights are not the policy's."""
 
     @ray.method(concurrency_group="weights")
     def set_weights(self, version: int, weights: dict, published_at: float) -> None:
@@ -134,6 +159,7 @@ class GeneratorActor:
         call is always the newest weights (after a rollback to a checkpoint, a lower version)."""
         with self._lock:
             self._pending = (version, weights, published_at)
+            self.weights_lost = False
 
     def _apply_pending(self) -> bool:
         import torch
@@ -154,6 +180,8 @@ class GeneratorActor:
     @ray.method(concurrency_group="sample")
     def sample(self, requests: Sequence) -> list:
         """Engine SampleRequests -> SampleResults, under the newest weights (hot-swapped mid-call)."""
+        if self.weights_lost:
+            raise ActorRestarted("the generator was restarted and has not been given the policy's weights yet")
         t = time.perf_counter()
         self._apply_pending()
         results = self.sampler.sample(list(requests), between_steps=self._apply_pending)

@@ -21,8 +21,10 @@
 Contract of the RL loop: it keeps up to `max_staleness + 1` rollout batches in flight (so with 0
 it is synchronous on-policy), consumes finished batches in order, waits only on the oldest, and
 trains whenever `prompts_per_step` clean groups are buffered. Every remote call has a deadline.
-A batch lost to a crashed generator or env worker is replayed once Ray has restarted it; a crashed
-trainer raises TrainerLost, and the run resumes from its last checkpoint.
+Losing a generator or env worker costs only its work: a batch lost with it is replayed once Ray
+has restarted it, and a restarted generator is given the last published weights (whichever call
+noticed the loss: a rollout, a weight update, an evaluation, a stats read). A crashed trainer
+raises TrainerLost, and the run resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import ray
 from lockstep.config.types import StageSpec
 from lockstep.runtime.filters import FilterReport, clean, to_datums, too_stale
 from lockstep.runtime.ledger import Ledger
-from lockstep.runtime.types import RolloutGroup, RolloutRequest
+from lockstep.runtime.types import ActorRestarted, RolloutGroup, RolloutRequest
 
 MAX_REFILL_BATCHES = 4
 """Dynamic sampling draws at most this many batches per step before completing the batch with
@@ -61,7 +63,7 @@ def is_component_loss(e: BaseException) -> bool:
     if isinstance(e, ComponentDead):
         return False
     while e is not None and seen < 8:
-        if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+        if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ActorRestarted)):
             return True
         e, seen = getattr(e, "cause", None) or e.__cause__, seen + 1
     return False
@@ -92,6 +94,10 @@ class Components:
     incarnations: dict = field(default_factory=dict)
     env_turn: int = 0
     stats: dict = field(default_factory=lambda: collections.defaultdict(float))
+    busy_before: dict = field(default_factory=dict)
+    """Per actor, busy seconds of its earlier incarnations (as last read), so busy fractions
+    survive a restart."""
+    last_stats: dict = field(default_factory=dict)
 
     def actors(self) -> dict:
         return {"trainer": self.trainer, "generator": self.generator,
@@ -104,12 +110,23 @@ class Components:
         self.weights_ref = weights_ref
         # Parking the weights is instant; waiting for it orders it before the next sample call
         # (the weights group runs beside sampling), which keeps max_staleness=0 truly on-policy.
-        wait(self.generator.set_weights.remote(self.version, weights_ref, time.time()), self.timeout, "generator.set_weights")
+        self._tell_generator(lambda: self.generator.set_weights.remote(self.version, weights_ref, time.time()),
+                             "generator.set_weights")
 
     def set_threads(self, trainer: int, generator: int) -> None:
         self.threads = (trainer, generator)
         wait(self.trainer.set_threads.remote(trainer), self.timeout, "trainer.set_threads")
-        wait(self.generator.set_threads.remote(generator), self.timeout, "generator.set_threads")
+        self._tell_generator(lambda: self.generator.set_threads.remote(generator), "generator.set_threads")
+
+    def _tell_generator(self, make_ref, what: str) -> None:
+        """Hand the generator a setting (weights, threads) already recorded here. If it died,
+        recover() gives its new incarnation every recorded setting, which is all the call was for."""
+        try:
+            wait(make_ref(), self.timeout, what)
+        except ComponentError as e:
+            if not is_component_loss(e):
+                raise
+            self.recover()
 
     def rollout(self, request: RolloutRequest):
         env = self.envs[self.env_turn % len(self.envs)]
@@ -117,7 +134,13 @@ class Components:
         return env.rollout.remote(request)
 
     def stat(self, name: str) -> dict:
-        return wait(self.actors()[name].stats.remote(), self.timeout, f"{name}.stats")
+        """An actor's stats, its busy seconds counted over every incarnation."""
+        s = self.call(lambda: self.actors()[name].stats.remote(), f"{name}.stats")
+        last = self.last_stats.get(name)
+        if last is not None and last["incarnation"] != s["incarnation"]:
+            self.busy_before[name] = self.busy_before.get(name, 0.0) + last["busy_s"]
+        self.last_stats[name] = s
+        return {**s, "busy_s": s["busy_s"] + self.busy_before.get(name, 0.0)}
 
     def ping(self, name: str) -> dict:
         """stats() of an actor, waiting while Ray restarts it; out of restarts is an error."""
@@ -135,15 +158,17 @@ class Components:
                 raise ComponentError(f"{name}.stats did not answer within {self.timeout:.0f}s") from None
 
     def note_incarnations(self) -> None:
-        self.incarnations = {name: self.stat(name)["incarnation"] for name in self.actors()}
+        self.incarnations = {name: wait(a.stats.remote(), self.timeout, f"{name}.stats")["incarnation"]
+                             for name, a in self.actors().items()}
 
     def recover(self) -> None:
         """After a component loss: wait until Ray has restarted every actor, give a restarted
         generator the last published weights, and raise TrainerLost if the trainer restarted.
         An actor out of restarts raises ComponentError."""
-        restarted = [n for n in self.actors() if self.ping(n)["incarnation"] != self.incarnations.get(n)]
+        now = {name: self.ping(name)["incarnation"] for name in self.actors()}
+        restarted = [name for name in now if now[name] != self.incarnations.get(name)]
         self.stats["runtime/restarts"] += len(restarted)
-        self.note_incarnations()
+        self.incarnations = now
         if "trainer" in restarted:
             raise TrainerLost("the trainer actor was restarted")
         if "generator" in restarted:

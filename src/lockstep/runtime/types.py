@@ -69,3 +69,8 @@ class RolloutRequest:
     seed: int
     """Per-request sampling seeds derive from (seed, turn, request index): reproducible and
     independent of other batches."""
+
+
+class ActorRestarted(RuntimeError):
+    """Raised by an actor that Ray restarted, on a call that needs the state it lost (weights): the
+    controller treats it like the crash itself, so a restart between two calls is never silent."""
