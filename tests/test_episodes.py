@@ -1,6 +1,7 @@
 """Episodes: env turns interleaved with batched sampling on the real engine sampler (no Ray)."""
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,7 +11,8 @@ from lockstep.engine.sampler import Sampler
 from lockstep.engine.trainer import Trainer
 from lockstep.envs.arithmetic import FEEDBACK, ArithmeticGroupBuilder, Problem
 from lockstep.envs.types import Observation, StepResult
-from lockstep.runtime.episodes import run_episodes
+from lockstep.runtime import episodes
+from lockstep.runtime.episodes import RateLimitedLog, run_episodes
 from lockstep.runtime.filters import to_datums
 from lockstep.runtime.types import RolloutRequest
 
@@ -106,6 +108,24 @@ def test_env_failures_are_retried_from_a_snapshot_then_counted(engine):
                             2, retries=1, timeout_s=0.2)
     assert ok.failed == 0 and [s.reward for s in ok.samples] == [1.0, 1.0]  # state restored before the retry
     assert broken.failed == 2 and hung.failed == 2  # every retry failed or timed out: counted, not raised
+
+
+def test_env_failures_are_logged_with_their_traceback_at_a_bounded_rate(engine, caplog, monkeypatch):
+    limiter = RateLimitedLog(logging.getLogger("lockstep.envs"), burst=5, window_s=60.0)
+    monkeypatch.setattr(episodes, "env_errors", limiter)
+    with caplog.at_level(logging.ERROR, logger="lockstep.envs"):
+        (g,) = roll(engine, [FlakyBuilder("broken", 100)], 8, retries=1)  # 8 episodes x 2 tries
+        assert g.failed == 8
+        logged = [r for r in caplog.records if r.name == "lockstep.envs"]
+        assert len(logged) == 5  # the first five, each with the env's own exception and traceback
+        assert all(isinstance(r.exc_info[1], RuntimeError) and str(r.exc_info[1]) == "flaky" for r in logged)
+        assert logged[0].getMessage() == "FlakyEnv.step raised (try 1 of 2)"
+        assert "in step" in caplog.text and 'raise RuntimeError("flaky")' in caplog.text
+        limiter.window_start -= 60  # the window ends: the next failure says how many were left out
+        caplog.clear()
+        roll(engine, [FlakyBuilder("broken", 100)], 1, retries=0)
+    assert [r.getMessage().split(" in the last")[0] for r in caplog.records] == [
+        "11 more env failures", "FlakyEnv.step raised (try 1 of 1)"]
 
 
 @dataclass(frozen=True)

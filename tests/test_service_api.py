@@ -472,6 +472,9 @@ def test_ids_no_object_can_have_are_a_404_on_every_store(tmp_path, builtin_dir, 
                      "/api/v1/training_runs?limit=1%00"):
             assert client.get(path, headers=headers).status_code == 400, path  # refused before any route
         assert client.post("/v1/jobs/a%00b/cancel", headers=headers).status_code == 400
+        for name in ("a\x00b", "line\nbreak"):  # a job's name is stored: NUL was a 500 on PostgreSQL
+            r = client.post("/v1/jobs", headers=headers, json={"spec": {}, "name": name})
+            assert r.status_code == 400 and "name: String should match" in r.text, r.text
 
 
 def test_stop_strings_and_tags_may_hold_any_text(api):
@@ -485,3 +488,47 @@ def test_stop_strings_and_tags_may_hold_any_text(api):
         r = post(client, "asample", key, {"sampling_session_id": ss, "prompt": {"chunks": [{"tokens": [5, 6]}]},
                                           "sampling_params": {"max_tokens": 4, "stop": stop}})
         assert r.status_code == 200, r.text
+
+
+def test_an_expired_checkpoint_is_gone_before_the_janitor_and_a_delete_keeps_weights_in_use(api, tmp_path):
+    """Past its expires_at a checkpoint is a 404 everywhere at once (the janitor, which deletes it,
+    runs only every --janitor-every s; here there is no worker at all). Deleting a checkpoint removes
+    its row, then its storage unless a sampling session still samples from those weights."""
+    import datetime as dt
+
+    from lockstep.service.db import Checkpoint, SamplingSession, Tenant, now
+
+    client, sessions, key_a, _ = api
+    sid, model_id = new_model(client, key_a)
+    storage = tmp_path / "storage"
+    with sessions() as s:
+        alice = s.scalar(select(Tenant).where(Tenant.name == "alice"))
+        for name, expires in (("old", now() - dt.timedelta(seconds=1)), ("live", now() + dt.timedelta(hours=1)),
+                              ("pinned", None)):
+            (storage / f"ck/{name}").mkdir(parents=True)
+            (storage / f"ck/{name}/MANIFEST.json").write_text("{}")
+            s.add(Checkpoint(tenant_id=alice.id, model_id=model_id, kind="sampler_weights", name=name,
+                             storage_path=f"ck/{name}", expires_at=expires))
+        s.add(SamplingSession(id=f"{model_id}:pinned", tenant_id=alice.id, session_id=sid, base_model="lockstep/tiny",
+                              model_path=f"tinker://{model_id}/sampler_weights/pinned", weights_path="ck/pinned",
+                              vocab_size=64))
+        s.commit()
+    listed = client.get(f"/api/v1/training_runs/{model_id}/checkpoints", headers={"X-API-Key": key_a}).json()
+    assert sorted(c["checkpoint_id"] for c in listed["checkpoints"]) == ["sampler_weights/live", "sampler_weights/pinned"]
+    mine = client.get("/api/v1/checkpoints", headers={"X-API-Key": key_a}).json()
+    assert mine["cursor"]["total_count"] == 2
+    old = f"tinker://{model_id}/sampler_weights/old"
+    assert post(client, "weights_info", key_a, {"tinker_path": old}).status_code == 404
+    r = post(client, "create_sampling_session", key_a, {"session_id": sid, "sampling_session_seq_id": 0,
+                                                        "model_path": old})
+    assert r.status_code == 404 and "no checkpoint" in r.text
+    assert client.delete(f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/old",
+                         headers={"X-API-Key": key_a}).status_code == 404
+    for name in ("live", "pinned"):
+        r = client.delete(f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/{name}",
+                          headers={"X-API-Key": key_a})
+        assert r.status_code == 200, r.text
+    assert not (storage / "ck/live").exists()  # nothing else used it
+    assert (storage / "ck/pinned/MANIFEST.json").is_file()  # a sampling session still samples from it
+    with sessions() as s:
+        assert s.scalar(select(func.count()).select_from(Checkpoint)) == 1  # only the expired row, the janitor's

@@ -78,6 +78,12 @@ def row_at(srv, model_id: str, seq_id: int) -> dict | None:
         return dict(row) if row is not None else None
 
 
+def job_row(srv, job_id: str) -> dict:
+    with store(srv) as con:
+        con.row_factory = sqlite3.Row
+        return dict(con.execute("select * from jobs where id = ?", (job_id,)).fetchone())
+
+
 def worker_child(serve: subprocess.Popen, old: int | None = None, timeout: float = 120) -> psutil.Process:
     def find():
         for p in psutil.Process(serve.pid).children():
@@ -120,8 +126,9 @@ def submit_job(srv, key: str, *overrides) -> str:
     return json.loads(out.strip().splitlines()[-1])["id"]
 
 
-LONG_JOB = ["stages.0.steps=100000", "stages.0.batch_size=8", "stages.0.eval_every=100000", "env.num_heldout=8",
+LONG_JOB = ["stages.0.steps=9000", "stages.0.batch_size=8", "stages.0.eval_every=9000", "env.num_heldout=8",
             "env.pass_k=0", "rl.steps=1"]
+"""Minutes of SFT (the tests stop it long before), within the default policy's max_steps."""
 
 
 def job_driver(worker: psutil.Process, timeout: float = 180) -> psutil.Process:
@@ -150,8 +157,8 @@ def test_hostile_rows_fail_alone_and_the_worker_serves_on(logged, builtin_dir):
     """A save with ttl 10^12 (it crashed the whole worker, for every tenant, forever), a payload
     that is not JSON, results the store refuses (a forward_backward and an optim_step whose usage
     rows break a foreign key: both already applied in memory, the optim_step had written a new
-    durable state), a row that breaks the claim loop and a job that breaks the scheduler's tick:
-    each request fails alone with a message, the loops back off and go on, and the model ends
+    durable state), a row that breaks the claim loop, a job row that breaks the scheduler's tick and
+    a job whose tenant is gone (it fails alone): each request fails alone with a message, the loops back off and go on, and the model ends
     exactly where its valid requests alone take it (rebuilt from the durable state its failed
     optim_step would have replaced: deleted before the commit, it would be lost)."""
     srv = logged
@@ -188,18 +195,24 @@ def test_hostile_rows_fail_alone_and_the_worker_serves_on(logged, builtin_dir):
     # A row that makes every claim attempt raise, while a real request waits behind it.
     bad = insert_request(srv, kind="sample", tenant_id=rows[1]["tenant_id"], sampling_session_id="nowhere",
                          payload=b"{}", order="x")
-    with store(srv) as con, con:  # and a job whose tenant does not exist
-        con.execute("insert into jobs (id, tenant_id, name, spec, priority, state, attempts, max_attempts, preemptions, "
-                    "next_attempt_at, created_at) values ('ghost-job', 'nobody', '', '{}', 'reserved', 'queued', 0, 3, "
-                    "0, ?, ?)", (dt.datetime.utcnow().isoformat(sep=" "),) * 2)
+    with store(srv) as con, con:  # a job whose tenant does not exist, and one the scheduler cannot even read
+        stamp = dt.datetime.utcnow().isoformat(sep=" ")
+        for job_id, created in (("ghost-job", stamp), ("garbled-job", "not a date")):
+            con.execute("insert into jobs (id, tenant_id, name, spec, priority, state, attempts, max_attempts, "
+                        "preemptions, next_attempt_at, created_at) values (?, 'nobody', '', '{}', 'reserved', 'queued', "
+                        "0, 3, 0, ?, ?)", (job_id, stamp, created))
     waiting = tc.forward_backward(data, "cross_entropy")
     wait_until(lambda: "the claim loop failed" in srv.log.read_text() and "the scheduler tick failed" in srv.log.read_text(),
                what="both loops to log their failure")
     time.sleep(3)  # backing off, not spinning: a handful of attempts, not thousands
     assert srv.log.read_text().count("the claim loop failed") < 10
+    assert srv.log.read_text().count("the scheduler tick failed") < 10
     with store(srv) as con, con:
         con.execute("delete from requests where id = ?", (bad,))
-        con.execute("delete from jobs where id = 'ghost-job'")
+        con.execute("delete from jobs where id = 'garbled-job'")
+    # The ghost job fails alone, with a message (it used to break every tick, for every tenant).
+    ghost = wait_until(lambda: (r := job_row(srv, "ghost-job"))["state"] == "failed" and r, what="the ghost job to fail")
+    assert "tenant 'nobody' no longer exists" in ghost["error"]
     waiting.result()
     tc.optim_step(adam).result()
     got = logprobs(tc.forward(data, "cross_entropy").result())

@@ -199,3 +199,32 @@ def test_sampling_sessions_of_ended_sessions_are_deleted(tight):
     assert httpx.get(f"{tight.url}/api/v1/samplers/{quiet_sampler}", headers=headers).status_code == 404
     with pytest.raises(Exception, match="404|unknown sampling"):
         sampler.compute_logprobs(prompt).result()
+
+
+def test_a_store_made_by_an_older_version_gets_the_new_columns_and_keeps_its_rows(tmp_path):
+    """`requests.attempts` and `jobs.run_seconds` came after the first release: opening an older
+    service.db adds them (with their defaults) instead of failing every claim or every job insert."""
+    from lockstep.service import db
+
+    url = f"sqlite:///{tmp_path}/service.db"
+    engine, _ = db.connect(url)
+    engine.dispose()
+    with closing(sqlite3.connect(tmp_path / "service.db")) as con, con:
+        for table, name in (("requests", "attempts"), ("jobs", "run_seconds")):
+            con.execute(f"alter table {table} drop column {name}")
+        con.execute("insert into tenants (id, name, key_hash, max_concurrent_jobs, max_models, created_at) "
+                    "values ('t', 't', 'h', 2, 16, '2026-01-01')")
+        con.execute("insert into jobs (id, tenant_id, name, spec, priority, state, attempts, max_attempts, preemptions, "
+                    "next_attempt_at, created_at) values ('old-job', 't', 'kept', '{}', 'reserved', 'succeeded', 1, 3, "
+                    "0, '2026-01-01', '2026-01-01')")
+    engine, sessions = db.connect(url)
+    with sessions() as s:
+        job = s.get(db.Job, "old-job")
+        assert (job.name, job.state, job.run_seconds) == ("kept", "succeeded", 0.0)
+    with closing(sqlite3.connect(tmp_path / "service.db")) as con:  # a raw insert (an older worker) still works
+        con.execute("insert into jobs (id, tenant_id, name, spec, priority, state, attempts, max_attempts, preemptions, "
+                    "next_attempt_at, created_at) values ('new-job', 't', '', '{}', 'reserved', 'queued', 0, 3, "
+                    "0, '2026-01-01', '2026-01-01')")
+        assert con.execute("select run_seconds from jobs where id = 'new-job'").fetchone() == (0.0,)
+    db.connect(url)[0].dispose()  # a second open (another process starting) changes nothing
+    engine.dispose()

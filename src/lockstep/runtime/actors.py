@@ -200,18 +200,35 @@ class GeneratorActor:
                 "swaps": len(lat)}
 
 
+def _log_envs_to(path: str) -> None:
+    """Env failures (logger lockstep.envs) appended to `path`: this process's stderr is Ray's, which
+    a run does not show (log_to_driver=False keeps its console to the progress lines)."""
+    import logging
+
+    envs = logging.getLogger("lockstep.envs")
+    if not any(getattr(h, "baseFilename", None) == path for h in envs.handlers):
+        handler = logging.FileHandler(path)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        envs.addHandler(handler)
+
+
 @ray.remote
 class EnvWorker:
     """Rolls groups out: runs each episode's envs, asking the generator for every turn's tokens.
 
     Env exceptions and timeouts are retried (from a snapshot when the env can fork), then the
-    sample counts as failed; they never crash the run.
+    sample counts as failed; they never crash the run. Each failure's traceback goes to `log_path`
+    (the run's envs.log; rate-limited, see episodes.RateLimitedLog).
     """
 
-    def __init__(self, tokenizer_dir: str, generator: str, *, retries: int, timeout_s: float, call_timeout_s: float):
+    def __init__(self, tokenizer_dir: str, generator: str, *, retries: int, timeout_s: float, call_timeout_s: float,
+                 log_path: str | None = None):
         """`generator` is the generator actor's name (a name, not a handle, so that Ray can
         restart this actor without keeping constructor arguments in the object store)."""
         from transformers import AutoTokenizer
+
+        if log_path:
+            _log_envs_to(log_path)
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.generator = ray.get_actor(generator)

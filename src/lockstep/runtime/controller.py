@@ -307,7 +307,7 @@ class RLLoop:
         if not self.buffer:  # every group failed or went stale: keep drawing, but not forever
             if self.refills >= 8 * MAX_REFILL_BATCHES:
                 raise ComponentError(f"no trainable group in {self.refills} rollout batches (see env/failed_groups "
-                                     "and filter/stale in metrics.jsonl)")
+                                     "and filter/stale in metrics.jsonl, and envs.log for the envs' tracebacks)")
             return None
         batch, self.buffer = self.buffer[:p], self.buffer[p:]
         self._retire([g.group_id for g in self.spare], "zero_variance")

@@ -12,11 +12,41 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from typing import Awaitable, Callable, Sequence
 
 from lockstep.envs.types import ForkableEnv, Observation, StepResult
 from lockstep.runtime.types import RolloutGroup, RolloutRequest, Sample
+
+log = logging.getLogger("lockstep.envs")
+
+
+class RateLimitedLog:
+    """Logs at most `burst` failures with their traceback per `window_s`, then one line saying how
+    many were left out. A broken env fails every call of every episode: a traceback each would
+    bury the log (and a service job's uploaded log tail). The logging module has no rate limit."""
+
+    def __init__(self, logger: logging.Logger, burst: int = 5, window_s: float = 60.0):
+        self.logger, self.burst, self.window_s = logger, burst, window_s
+        self.window_start, self.logged, self.left_out = time.monotonic(), 0, 0
+
+    def exception(self, msg: str, *args) -> None:
+        """Call from an `except` block: the active exception's traceback is logged with `msg`."""
+        now = time.monotonic()
+        if now - self.window_start >= self.window_s:
+            if self.left_out:
+                self.logger.error("%d more env failures in the last %.0f s were not logged", self.left_out,
+                                  now - self.window_start)
+            self.window_start, self.logged, self.left_out = now, 0, 0
+        if self.logged < self.burst:
+            self.logged += 1
+            self.logger.error(msg, *args, exc_info=True)
+        else:
+            self.left_out += 1
+
+
+env_errors = RateLimitedLog(log)
 
 
 def request_seed(seed: int, turn: int, index: int) -> int:
@@ -70,15 +100,19 @@ class Episode:
                       self.metrics, () if all(self.sampled) else tuple(self.sampled), self.turns)
 
 
-async def _call(make_call: Callable[[], Awaitable], env, *, retries: int, timeout_s: float):
+async def _call(what: str, make_call: Callable[[], Awaitable], env, *, retries: int, timeout_s: float):
     """An env call with a deadline, retried from the env's snapshot when it can fork."""
     snap = env.snapshot() if isinstance(env, ForkableEnv) else None
     for attempt in range(retries + 1):
         try:
             return await asyncio.wait_for(make_call(), timeout_s)
+        except asyncio.TimeoutError:
+            env_errors.exception("%s.%s took over %.1f s (try %d of %d)", type(env).__name__, what, timeout_s,
+                                 attempt + 1, retries + 1)
         except Exception:  # noqa: BLE001 - any env failure is retried, then counted, never fatal
-            if snap is not None:
-                env.restore(snap)
+            env_errors.exception("%s.%s raised (try %d of %d)", type(env).__name__, what, attempt + 1, retries + 1)
+        if snap is not None:
+            env.restore(snap)
     raise _EnvFailed
 
 
@@ -88,7 +122,7 @@ class _EnvFailed(Exception):
 
 async def _start(ep: Episode, **kw) -> None:
     try:
-        ep.obs = await _call(ep.env.initial_observation, ep.env, **kw)
+        ep.obs = await _call("initial_observation", ep.env.initial_observation, ep.env, **kw)
         ep.prompt = tuple(ep.obs.tokens)
     except _EnvFailed:
         ep.failed = True
@@ -96,9 +130,12 @@ async def _start(ep: Episode, **kw) -> None:
 
 async def _step(ep: Episode, action: tuple[int, ...], **kw) -> None:
     try:
-        result = await _call(lambda: ep.env.step(list(action)), ep.env, **kw)
+        result = await _call("step", lambda: ep.env.step(list(action)), ep.env, **kw)
         ep.advance(result, action)
-    except (_EnvFailed, ValueError):
+    except _EnvFailed:
+        ep.failed = True
+    except ValueError:
+        env_errors.exception("%s.step returned an observation the episode cannot take", type(ep.env).__name__)
         ep.failed = True
 
 

@@ -98,7 +98,8 @@ def build(spec: RunSpec, plan: Plan, model_path: str, run_dir: Path) -> ctl.Comp
     generator = GeneratorActor.options(num_cpus=plan.generator_cpus, name=name("generator"), **opts).remote(
         model_path, m.lora_rank, m.lora_alpha, r.generator_threads)
     envs = [EnvWorker.options(num_cpus=plan.env_cpus, name=name(f"env{i}"), **opts).remote(
-        model_path, name("generator"), retries=spec.env.retries, timeout_s=spec.env.timeout_s, call_timeout_s=r.call_timeout_s)
+        model_path, name("generator"), retries=spec.env.retries, timeout_s=spec.env.timeout_s, call_timeout_s=r.call_timeout_s,
+        log_path=str(run_dir / "envs.log"))
         for i in range(r.env_workers)]
     c = ctl.Components(trainer, generator, envs, r.call_timeout_s)
     c.note_incarnations()  # also surfaces start-up errors early

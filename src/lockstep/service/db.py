@@ -13,7 +13,7 @@ import datetime as dt
 from typing import Any
 
 from sqlalchemy import (JSON, BigInteger, Float, ForeignKey, Index, Integer, LargeBinary, String, Text,
-                        UniqueConstraint, create_engine, event, inspect, text)
+                        UniqueConstraint, create_engine, event, inspect, or_, text)
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
@@ -137,6 +137,12 @@ class Checkpoint(Base):
     expires_at: Mapped[dt.datetime | None] = mapped_column(default=None)
 
 
+def unexpired():
+    """A where-clause for the checkpoints not past their `expires_at`. The janitor deletes the
+    others within a pass (--janitor-every); to the API they are gone from the moment they expire."""
+    return or_(Checkpoint.expires_at.is_(None), Checkpoint.expires_at > now())
+
+
 class SamplingSession(Base):
     __tablename__ = "sampling_sessions"
     id: Mapped[str] = mapped_column(String(160), primary_key=True)
@@ -168,7 +174,7 @@ class Job(Base):
     error: Mapped[str | None] = mapped_column(Text, default=None)
     """What went wrong, for the tenant: a message, never a traceback (the attempt's log has it)."""
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
-    run_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    run_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
     """Running time of the attempts that ended (the policy's max_wall_seconds caps it)."""
     worker_id: Mapped[str | None] = mapped_column(String(64), default=None)
     created_at: Mapped[dt.datetime] = mapped_column(default=now)
@@ -266,7 +272,7 @@ def connect(url: str) -> tuple[Engine, sessionmaker]:
     return engine, sessionmaker(engine, expire_on_commit=False)
 
 
-ADDED_COLUMNS = {"requests": ("attempts",)}
+ADDED_COLUMNS = {"requests": ("attempts",), "jobs": ("run_seconds",)}
 """Columns added after their table was first released: create_all() creates missing tables, not
 missing columns, so a store made by an older version gets them here (with their server default).
 Additive changes only; anything else would need a real migration tool (Alembic)."""

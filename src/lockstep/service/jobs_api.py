@@ -23,6 +23,7 @@ from sqlalchemy import func, select
 from starlette.concurrency import run_in_threadpool
 
 from lockstep.service import datasets
+from lockstep.service.bodies import PRINTABLE
 from lockstep.service.deps import db, tenant_of
 from lockstep.service.datasets import limits_of
 from lockstep.service.db import Dataset, Job, JobEvent, Tenant, Usage, now
@@ -45,7 +46,7 @@ class Submit(BaseModel):
     model_config = ConfigDict(extra="forbid")
     spec: dict[str, Any]
     """A RunSpec as JSON (what `lockstep run --dry-run` prints under "config", or a TOML's tables)."""
-    name: str = Field("", max_length=128)
+    name: str = Field("", max_length=128, pattern=PRINTABLE)
     priority: Priority = Priority.PREEMPTIBLE
     max_attempts: int = Field(3, ge=1, le=10)
 

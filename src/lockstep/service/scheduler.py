@@ -67,6 +67,8 @@ LOG_EVERY_S = 5.0
 """How often a running attempt's output is uploaded for the logs endpoint."""
 LOG_TAIL_BYTES = 1 << 20
 """The end of an attempt's output that is kept in storage."""
+ENV_LOG_TAIL_BYTES = 64 << 10
+"""The end of the run's envs.log appended to it."""
 ARTIFACTS = ("report.html", "summary.json", "metrics.jsonl", "config.json")
 
 
@@ -133,6 +135,9 @@ class Scheduler:
             per_tenant[job.tenant_id] = per_tenant.get(job.tenant_id, 0) + 1
         for job in self._waiting(s):
             tenant = s.get(Tenant, job.tenant_id)
+            if tenant is None:  # deleted behind the API's back: this job fails, the others go on
+                self._refuse(s, job, f"its tenant {job.tenant_id!r} no longer exists")
+                continue
             if per_tenant.get(job.tenant_id, 0) >= tenant.max_concurrent_jobs:
                 continue
             if free <= 0:
@@ -359,10 +364,14 @@ class Scheduler:
         return {k: v for k, v in summary.items() if k not in ("evals", "stages")}
 
     def _upload_log(self, attempt: Attempt) -> None:
-        """The end of the attempt's output, with the job's directory shown relative to it."""
+        """The end of the attempt's output, then of its envs' failures (envs.log), with the job's
+        directory shown relative to it."""
         attempt.log_uploaded = time.time()
         try:
             text = redact(_read_tail(attempt.log_path), attempt.job_dir)
+            envs = _read_tail(attempt.run_dir / "envs.log", ENV_LOG_TAIL_BYTES)
+            if envs:
+                text += "\n--- envs.log: env failures (tracebacks, rate-limited) ---\n" + redact(envs, attempt.job_dir)
             out = attempt.job_dir / f"attempt-{attempt.number}.upload"
             out.write_text(text)
             self.storage.put_file(out, f"jobs/{attempt.tenant_id}/{attempt.job_id}/logs/attempt-{attempt.number}.log")
@@ -418,11 +427,11 @@ def _set(d: dict, field: str, value) -> None:
     node[key] = value
 
 
-def _read_tail(path: Path) -> str:
+def _read_tail(path: Path, size: int = LOG_TAIL_BYTES) -> str:
     if not path.exists():
         return ""
     with open(path, "rb") as f:
-        f.seek(max(0, path.stat().st_size - LOG_TAIL_BYTES))
+        f.seek(max(0, path.stat().st_size - size))
         return f.read().decode("utf-8", "replace")
 
 

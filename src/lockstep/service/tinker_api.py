@@ -26,7 +26,7 @@ from lockstep.service import queue, wire
 from lockstep.service.bodies import (MAX_SEQ, PRINTABLE, CreateModel, CreateSamplingSession, CreateSession, Finish,
                                      LoadWeights, LoraConfig, ModelRef, OptimStep, Retrieve, Sample, SaveWeights,
                                      SessionRef, Training)
-from lockstep.service.db import BaseModelEntry, Checkpoint, Model, SamplingSession, Session, Tenant, now
+from lockstep.service.db import BaseModelEntry, Checkpoint, Model, SamplingSession, Session, Tenant, now, unexpired
 from lockstep.service.deps import (ServiceConfig, config, db, result_response, ring_workers, tenant_of,
                                    validation_message, wait_for_result)
 from lockstep.service.tenants import check_model_quota, lock_quota
@@ -334,7 +334,7 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
 def checkpoint_of(s, t: Tenant, path: str) -> Checkpoint:
     run, kind, name = parse_tinker_path(path)
     ck = s.scalar(select(Checkpoint).where(Checkpoint.model_id == run, Checkpoint.kind == kind, Checkpoint.name == name,
-                                           Checkpoint.tenant_id == t.id))
+                                           Checkpoint.tenant_id == t.id, unexpired()))
     if ck is None:
         raise NotFound(f"no checkpoint {wire.shown(path)}")
     return ck

@@ -14,8 +14,9 @@ from sqlalchemy import func, select
 
 from lockstep.service import wire
 from lockstep.service.bodies import MAX_OFFSET, PRINTABLE, WeightsInfo
-from lockstep.service.db import Checkpoint, Model, SamplingSession, Session, Tenant
+from lockstep.service.db import Checkpoint, Model, SamplingSession, Session, Tenant, unexpired
 from lockstep.service.deps import db, tenant_of
+from lockstep.service.janitor import delete_unreferenced
 from lockstep.service.tinker_api import checkpoint_of, model_of, session_of
 from lockstep.service.types import NotFound, ServiceError
 
@@ -40,7 +41,8 @@ def _checkpoint_json(c: Checkpoint) -> dict:
 
 
 def _run_json(s, m: Model, t: Tenant) -> dict:
-    cks = list(s.scalars(select(Checkpoint).where(Checkpoint.model_id == m.id).order_by(Checkpoint.created_at)))
+    cks = list(s.scalars(select(Checkpoint).where(Checkpoint.model_id == m.id, unexpired())
+                         .order_by(Checkpoint.created_at)))
     last = {k: next((c for c in reversed(cks) if c.kind == k), None) for k in ("weights", "sampler_weights")}
     return {"training_run_id": m.id, "base_model": m.base_model, "model_owner": t.name, "is_lora": m.lora_rank > 0,
             "corrupted": False, "lora_rank": m.lora_rank or None, "last_request_time": _iso(m.last_request_time),
@@ -68,7 +70,8 @@ def training_run(run_id: RunId, request: Request, t: Tenant = TENANT) -> dict:
 def run_checkpoints(run_id: RunId, request: Request, t: Tenant = TENANT) -> dict:
     with db(request) as s:
         model_of(s, t, run_id)
-        cks = s.scalars(select(Checkpoint).where(Checkpoint.model_id == run_id).order_by(Checkpoint.created_at))
+        cks = s.scalars(select(Checkpoint).where(Checkpoint.model_id == run_id, unexpired())
+                        .order_by(Checkpoint.created_at))
         return {"checkpoints": [_checkpoint_json(c) for c in cks]}
 
 
@@ -82,19 +85,22 @@ def delete_checkpoint(run_id: RunId, checkpoint_id: CheckpointPath, request: Req
     with db(request) as s:
         model_of(s, t, run_id)
         ck = s.scalar(select(Checkpoint).where(Checkpoint.model_id == run_id, Checkpoint.kind == kind,
-                                               Checkpoint.name == name, Checkpoint.tenant_id == t.id))
+                                               Checkpoint.name == name, Checkpoint.tenant_id == t.id, unexpired()))
         if ck is None:
             raise NotFound(f"no checkpoint {wire.shown(checkpoint_id)} in {run_id}")
-        request.app.state.storage.delete(ck.storage_path)
+        key = ck.storage_path
         s.delete(ck)
         s.commit()
+    # The row first, then the copy, and only if nothing else points at it (a sampling session
+    # pinned to these weights): a crash in between leaks storage, never loses what is in use.
+    delete_unreferenced(request.app.state.sessions, request.app.state.storage, key)
     return {}
 
 
 @router.get("/checkpoints")
 def all_checkpoints(request: Request, limit: Limit = 100, offset: Offset = 0, t: Tenant = TENANT) -> dict:
     with db(request) as s:
-        q = select(Checkpoint).where(Checkpoint.tenant_id == t.id)
+        q = select(Checkpoint).where(Checkpoint.tenant_id == t.id, unexpired())
         total = s.scalar(select(func.count()).select_from(q.subquery()))
         cks = s.scalars(q.order_by(Checkpoint.created_at).limit(limit).offset(offset))
         return {"checkpoints": [_checkpoint_json(c) for c in cks],
