@@ -9,21 +9,11 @@ import time
 import psutil
 
 from lockstep import raylocal
+from service_harness import alive
 
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 LONG = ["stages.0.steps=100000", "stages.0.batch_size=8", "stages.0.eval_every=100000", "env.num_heldout=8",
         "env.pass_k=0", "rl.steps=1"]
-
-
-def alive(procs) -> list:
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def names(procs) -> str:

@@ -71,13 +71,13 @@ def test_the_api_never_imports_torch():
 
 
 def test_supported_losses_match_the_engine():
+    from lockstep.config.types import LOSS_CORRECTION_KEYS
     from lockstep.losses import LOSS_CONFIG_KEYS
     from lockstep.losses.corrections import CORRECTION_KEYS
-    from lockstep.service.types import CORRECTION_KEYS as SERVICE_CORRECTIONS
     from lockstep.service.types import SUPPORTED_LOSSES
 
     assert {k: tuple(v) for k, v in LOSS_CONFIG_KEYS.items()} == SUPPORTED_LOSSES
-    assert set(CORRECTION_KEYS) == set(SERVICE_CORRECTIONS)
+    assert set(CORRECTION_KEYS) == set(LOSS_CORRECTION_KEYS)
 
 
 def test_bootstrap_and_auth(api):

@@ -33,7 +33,7 @@ from sqlalchemy import select
 
 from lockstep.config.types import RunSpec
 from lockstep.service.db import BaseModelEntry, Dataset, Job
-from lockstep.service.types import JobState, ServiceError, check_loss
+from lockstep.service.types import JobState, ServiceError
 
 MiB = 1024 * 1024
 
@@ -224,16 +224,7 @@ def check_spec(spec: dict, limits: Limits) -> RunSpec:
         run = from_dict(spec)
     except (ConfigError, TypeError, ValueError) as e:
         raise ServiceError(f"spec: {e}") from None
-    d = to_dict(run)
-    for i, stage in enumerate(run.stages):
-        if stage.kind == "rl":
-            try:
-                check_loss(stage.loss, dict(stage.loss_config))
-            except ServiceError as e:
-                raise ServiceError(f"spec: stages[{i}].loss: {e}") from None
-            bad = {k: v for k, v in stage.loss_config.items() if isinstance(v, bool) or not isinstance(v, (int, float))}
-            if bad:
-                raise ServiceError(f"spec: stages[{i}].loss_config: expected numbers, got {bad}")
+    d = to_dict(run)  # (RunSpec itself checked each RL stage's loss and its config: config.types.check_loss)
     if run.runtime.ray_address:
         raise ServiceError("spec: runtime.ray_address is set by the service; leave it empty")
     if not 0 <= run.seed < 2**32:

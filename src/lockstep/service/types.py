@@ -10,6 +10,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from lockstep.config.types import LOSSES, ConfigError
+from lockstep.config.types import check_loss as _check_loss
+
 
 class ServiceError(Exception):
     """A request the service refuses. `status` is the HTTP status; the message says what to fix."""
@@ -113,31 +116,16 @@ BUILTIN_MODEL = "lockstep/tiny"
 """The base-model name under which the built-in tiny model is always registered."""
 
 
-SUPPORTED_LOSSES: dict[str, tuple[str, ...]] = {
-    "cross_entropy": (),
-    "importance_sampling": (),
-    "ppo": ("clip_low_threshold", "clip_high_threshold"),
-    "cispo": ("clip_low_threshold", "clip_high_threshold"),
-    "dro": ("beta",),
-    "gspo": ("clip_low_threshold", "clip_high_threshold"),
-}
-"""The engine's built-in losses and their config keys, for the torch-free API to check requests
-against (tests/test_service_api.py asserts this equals the engine's registry)."""
-
-CORRECTION_KEYS = ("tis_cap", "mis_low", "mis_high")
-"""Config keys every loss accepts: truncated / masked importance-sampling corrections."""
+SUPPORTED_LOSSES = LOSSES
+"""The engine's built-in losses and their config keys: the config layer's one torch-free list."""
 
 
 def check_loss(name: str, config: dict) -> None:
-    if name == "stable_reinforce":
-        raise ServiceError(f"loss 'stable_reinforce' is not supported: its math is unpublished, so it cannot be "
-                           f"reproduced faithfully; supported: {', '.join(SUPPORTED_LOSSES)}")
-    if name not in SUPPORTED_LOSSES:
-        raise ServiceError(f"unknown loss {name!r}; supported: {', '.join(SUPPORTED_LOSSES)}")
-    allowed = set(SUPPORTED_LOSSES[name]) | set(CORRECTION_KEYS)
-    unknown = sorted(set(config) - allowed)
-    if unknown:
-        raise ServiceError(f"loss {name!r} does not take config keys {unknown}; it takes {sorted(allowed)}")
+    """The config layer's loss check (name, config keys, finite numbers), as a 400."""
+    try:
+        _check_loss(name, config)
+    except ConfigError as e:
+        raise ServiceError(str(e)) from None
 
 
 WORKER_LEASE_S = 15.0
