@@ -58,6 +58,7 @@ def test_run_writes_a_complete_run_directory(tmp_path, builtin_dir, staleness):
     d = tmp_path / "run"
     for name in ("config.json", "metrics.jsonl", "summary.json", "report.html", "ledger.jsonl"):
         assert (d / name).is_file(), name
+    assert (d / "envs.log").read_text() == ""  # the env workers opened it; the arithmetic env never failed
     assert (d / "final_model" / "config.json").is_file() and (d / "final_model" / "model.safetensors").is_file()
     assert (d / "checkpoints" / "step-000005" / "MANIFEST.json").is_file()
     assert json.loads((d / "config.json").read_text())["stages"][1]["max_staleness"] == staleness

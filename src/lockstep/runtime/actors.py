@@ -206,10 +206,15 @@ def _log_envs_to(path: str) -> None:
     import logging
 
     envs = logging.getLogger("lockstep.envs")
-    if not any(getattr(h, "baseFilename", None) == path for h in envs.handlers):
+    if any(getattr(h, "baseFilename", None) == path for h in envs.handlers):
+        return
+    try:
         handler = logging.FileHandler(path)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        envs.addHandler(handler)
+    except OSError as e:  # another node of a cluster, without the run directory: stderr (Ray's log) only
+        envs.warning("env failures go to this worker's stderr only: cannot open %s (%s)", path, e)
+        return
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    envs.addHandler(handler)
 
 
 @ray.remote

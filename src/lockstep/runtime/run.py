@@ -148,6 +148,7 @@ def run(spec: RunSpec, run_dir: Path, progress=lambda *a, **k: None, *, resume: 
     start_ray(plan)
     if preemptible:
         preempt_on_sigterm()
+    run_dir.mkdir(parents=True, exist_ok=True)  # the env workers open envs.log in it
     c = build(spec, plan, model_path, run_dir)
     r = Run(spec, plan, run_dir, progress, suite, data, c)
     try:
