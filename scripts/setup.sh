@@ -11,6 +11,14 @@ fi
 .venv/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0"
 .venv/bin/pip install --quiet --disable-pip-version-check -e ".[dev,cookbook]"
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps "tinker-cookbook==0.6.1"
+# The fused CPU kernels (src/lockstep/engine/kernels/fused.cpp), compiled once for this machine
+# (about a minute); g++ comes from Debian packages when missing. Without them the forward runs on
+# the pure-PyTorch path, exact but slower, and says so.
+if ! command -v g++ >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++) >/dev/null 2>&1 \
+    || echo "setup: could not install g++; the fused kernels will not be built"
+fi
+.venv/bin/python -m lockstep.engine.kernels || true
 # PostgreSQL, for the service's store tests (the store defaults to SQLite): installed when this
 # runs as root on Debian/Ubuntu, as CI does; the tests start their own server in a temp dir.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1; then

@@ -19,15 +19,18 @@ def _cmd_check_consistency(args) -> int:
     report = consistency.run(model_dir, seed=args.seed, max_tokens=args.max_tokens)
     console = Console(stderr=args.json)
     table = Table(title=f"sampler vs trainer logprobs — {model_dir}")
-    for col in ("path", "lora", "batch", "tokens", "bitwise equal", "max |Δlogp|"):
+    for col in ("path", "lora", "batch", "threads (sampler, trainer)", "tokens", "bitwise equal", "max |Δlogp|"):
         table.add_column(col)
-    for name, cases in (("lockstep", report["cases"]), ("transformers", report["hf"]["cases"])):
+    for name, cases in ((f"lockstep ({report['path']})", report["cases"]), ("transformers", report["hf"]["cases"])):
         for c in cases:
-            table.add_row(name, str(c["lora"]), str(c["batch"]), str(c["tokens"]), str(c["equal"]), f"{c['max_abs_diff']:.3g}")
+            threads = "{}, {}".format(*c["threads"]) if "threads" in c else "-"
+            table.add_row(name, str(c["lora"]), str(c["batch"]), threads, str(c["tokens"]), str(c["equal"]),
+                          f"{c['max_abs_diff']:.3g}")
     console.print(table)
     ok = report["tokens_bitwise_equal"] == report["tokens_compared"]
     console.print(
-        f"lockstep: {report['tokens_bitwise_equal']}/{report['tokens_compared']} tokens bitwise equal; "
+        f"lockstep ({report['path']} forward: {report['path_reason']}): "
+        f"{report['tokens_bitwise_equal']}/{report['tokens_compared']} tokens bitwise equal; "
         f"transformers: {report['hf']['tokens_bitwise_equal']}/{report['hf']['tokens_compared']}, "
         f"max |Δlogp| {report['hf']['max_abs_diff']:.3g}"
     )

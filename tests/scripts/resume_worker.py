@@ -10,8 +10,11 @@ from lockstep.engine.types import AdamParams, Datum, LoraSpec
 
 
 def batch(step: int):
+    """4 datums of their own and a group of 4 sharing a prompt (the trainer's shared-prefix path)."""
     rng = np.random.default_rng(1000 + step)
-    return [Datum.from_tokens(rng.integers(4, 260, 16).tolist()) for _ in range(3)]
+    prompt = rng.integers(4, 260, 12).tolist()
+    return ([Datum.from_tokens(rng.integers(4, 260, 16 + 5 * i).tolist()) for i in range(4)]
+            + [Datum.from_tokens(prompt + rng.integers(4, 260, 6).tolist()) for _ in range(4)])
 
 
 def main() -> None:

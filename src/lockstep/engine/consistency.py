@@ -1,9 +1,10 @@
 """`lockstep check consistency`: measure sampler-vs-trainer logprob agreement.
 
 For a mixed workload (prompt lengths 1..48; batches of 1, 7 and 64; LoRA off and on), the
-sampler decodes with a KV cache in one thread while the trainer recomputes every sampled token's
-logprob with its full-sequence forward in all threads, on a separate copy of the weights (as after
-a weight publish). The same is measured for plain transformers (`generate` with
+sampler decodes with a KV cache while the trainer recomputes every sampled token's logprob with its
+full-sequence forward, on a separate copy of the weights (as after a weight publish), at each pair
+of thread counts in THREADS (sampler, trainer): 1, 2 and 4 threads on either side. The summary says
+which forward ran ("fused" kernels or the "eager" pure-PyTorch path) and why. The same is measured for plain transformers (`generate` with
 `output_logits` against a padded full forward) as the comparison.
 """
 
@@ -21,6 +22,8 @@ from lockstep.engine.trainer import Trainer
 from lockstep.engine.types import Datum, LoraSpec, SampleRequest, SamplingParams
 
 BATCH_SIZES = (1, 7, 64)
+THREADS = ((1, 4), (2, 1), (4, 2))
+"""(sampler threads, trainer threads) per case: every count on both sides, never the same pair."""
 
 
 @dataclass
@@ -65,16 +68,26 @@ def _perturb_lora(trainer: Trainer, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
 
 
-def _invariant_case(trainer: Trainer, prompts, max_tokens: int, seed: int, tally: Tally) -> dict:
+def _threads(n: int):
+    """Run with n torch threads, then restore the count."""
+    class _Scope:
+        def __enter__(self):
+            self.before = torch.get_num_threads()
+            torch.set_num_threads(n)
+
+        def __exit__(self, *exc):
+            torch.set_num_threads(self.before)
+
+    return _Scope()
+
+
+def _invariant_case(trainer: Trainer, prompts, max_tokens: int, seed: int, threads: tuple[int, int],
+                    tally: Tally) -> dict:
     sampler_model = InvariantLM(copy.deepcopy(trainer.hf_model))  # a published copy
     sampler = Sampler(sampler_model, trainer.tokenizer)
     params = SamplingParams(max_tokens=max_tokens, seed=seed, stop=())
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _threads(threads[0]):
         results = sampler.sample([SampleRequest(p, params) for p in prompts])
-    finally:
-        torch.set_num_threads(threads)
     data, sampled = [], []
     for p, r in zip(prompts, results):
         seq = r.sequences[0]
@@ -82,7 +95,8 @@ def _invariant_case(trainer: Trainer, prompts, max_tokens: int, seed: int, tally
         weights = [0.0] * (len(p) - 1) + [1.0] * len(seq.tokens)
         data.append(Datum.from_tokens(full, weights))
         sampled.append(torch.tensor(seq.logprobs, dtype=torch.float32))
-    out = trainer.forward(data)
+    with _threads(threads[1]):
+        out = trainer.forward(data)
     trained = [torch.from_numpy(o["logprobs"][len(p) - 1 :]) for o, p in zip(out.loss_fn_outputs, prompts)]
     n, eq, mx = tally.add(torch.cat(sampled), torch.cat(trained))
     return {"tokens": n, "equal": eq, "max_abs_diff": mx}
@@ -135,8 +149,11 @@ def run(model_dir: str, *, seed: int = 0, max_tokens: int = 16, lora_rank: int =
         for bs in BATCH_SIZES:
             prompts = _prompts(rng, bs, trainer.vocab_size)
             case = {"lora": lora_on, "batch": bs}
-            ours.cases.append({**case, **_invariant_case(trainer, prompts, max_tokens, seed + bs, ours)})
+            for threads in THREADS:
+                result = _invariant_case(trainer, prompts, max_tokens, seed + bs, threads, ours)
+                ours.cases.append({**case, "threads": list(threads), **result})
             hf.cases.append({**case, **_hf_case(plain, prompts, max_tokens, seed + bs, pad, hf)})
     from lockstep.engine.invariant import MKL_MODE
 
-    return {**ours.summary(), "mkl_mode": MKL_MODE, "cases": ours.cases, "hf": {**hf.summary(), "cases": hf.cases}}
+    return {**ours.summary(), "path": trainer.model.path, "path_reason": trainer.model.path_reason,
+            "mkl_mode": MKL_MODE, "cases": ours.cases, "hf": {**hf.summary(), "cases": hf.cases}}

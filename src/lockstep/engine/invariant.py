@@ -62,6 +62,7 @@ def require_strict_mkl() -> str:
     lib = _mkl()
     if lib is None:
         return "no-mkl"
+    _fixed_thread_count(lib)
     if lib.mkl_serv_cbwr_get(MKL_CBWR_ALL) & MKL_CBWR_STRICT or lib.mkl_serv_cbwr_set(MKL_CBWR_AUTO | MKL_CBWR_STRICT) == 0:
         return "strict"
     warnings.warn("MKL is not in strict CNR mode (it was used before lockstep was imported, with MKL_CBWR unset or "
@@ -70,7 +71,41 @@ def require_strict_mkl() -> str:
     return "not-strict"
 
 
+def _fixed_thread_count(lib) -> None:
+    """MKL_DYNAMIC off: by default MKL may run a call on fewer threads than asked when the machine
+    is busy, and a product's reduction order follows its thread count, so the same training step
+    gave other bits in 1-2 fresh processes of 10 on a shared machine. Set here and, through the
+    environment, in child processes (Ray workers)."""
+    os.environ.setdefault("MKL_DYNAMIC", "FALSE")
+    fn = getattr(lib, "MKL_Set_Dynamic", None)
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_int], None
+        fn(0)
+
+
 MKL_MODE = require_strict_mkl()
+
+
+class _mkl_single_thread:
+    """MKL on one thread for this thread's calls inside the block: at 3+ threads MKL changes the
+    reduction order of small products even in strict CNR mode (a rank-8 LoRA's (8 x 8) @ (8 x 32)
+    at 4 threads), and MKL_DYNAMIC may give a call fewer threads than asked when the machine is
+    busy. Only the pure-PyTorch fallback needs this; the fused kernels' linear has a fixed plan."""
+
+    _set = None
+
+    def __enter__(self):
+        if _mkl_single_thread._set is None:
+            lib = _mkl()
+            fn = getattr(lib, "MKL_Set_Num_Threads_Local", None) if lib is not None else None
+            if fn is not None:
+                fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+            _mkl_single_thread._set = fn or False
+        self.before = _mkl_single_thread._set(1) if _mkl_single_thread._set else None
+
+    def __exit__(self, *exc):
+        if self.before is not None:
+            _mkl_single_thread._set(self.before)
 
 ROW_TILE = 8
 KEY_BLOCK = 32
@@ -91,16 +126,34 @@ def pad_rows(x: torch.Tensor, multiple: int = ROW_TILE) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) with a row-invariant reduction; x is (..., in)."""
+    """x @ weight.T (+ bias) with a row-invariant reduction; x is (..., in). With the fused
+    kernels built, through their fixed tile plan (invariant to the thread count, forward and
+    backward); else one padded `mm`."""
+    if _fixed_plan_linear is not None:
+        return _fixed_plan_linear(x, weight, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     n = x2.shape[0]
-    out = torch.mm(pad_rows(x2), weight.t())
+    with _mkl_single_thread():
+        out = torch.mm(pad_rows(x2), weight.t())
     if out.shape[0] != n:
         out = out[:n]
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, weight.shape[0])
+
+
+def _load_fixed_plan():
+    from lockstep.engine import kernels
+
+    if kernels.load() is None:
+        return None
+    from lockstep.engine.fused import linear as fixed
+
+    return fixed
+
+
+_fixed_plan_linear = _load_fixed_plan()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -13,6 +13,7 @@ cached and re-derived whenever a parameter's in-place version counter moves.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +121,8 @@ class InvariantLM:
         self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         self._rope_table = (torch.empty(0, self.head_dim), torch.empty(0, self.head_dim))
         self._fused_cache: dict[tuple, tuple] = {}
+        self.path, self.path_reason = _choose_path(self)
+        """"fused" (the C++ kernels, engine/fused.py) or "eager" (pure PyTorch), and why."""
 
     # -- tables, fused weights, caches ---------------------------------------------------------
     def rope(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,6 +189,8 @@ class InvariantLM:
         if cache is None:
             assert positions_BT is None, "without a cache, sequences start at position 0"
             positions_BT = torch.arange(T).expand(B, T)
+        if self.path == "fused":
+            return self._hidden_fused(tokens_BT, positions_BT, cache)
         max_position = int(positions_BT.max())  # one sync per forward, shared by rope and the mask
         cos, sin = self.rope(positions_BT, max_position)  # (B, T, D)
         kv_len = round_up(max_position + 1, KEY_BLOCK)
@@ -199,6 +204,50 @@ class InvariantLM:
             h = inv.rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
             x = x + self._mlp(i, layer.mlp, h)
         return inv.rms_norm(x, self.inner.norm.weight, self.eps)
+
+    def _hidden_fused(self, tokens_BT, positions_BT, cache: KVCache | None) -> torch.Tensor:
+        """hidden_states on the fused kernels: per layer one norm (fused with the residual add),
+        the q|k|v and gate|up matmuls, one rope, one attention, one SiLU*up and two more matmuls."""
+        from lockstep.engine import fused
+
+        cos, sin = self.rope(positions_BT, int(positions_BT.max()))
+        cos, sin = inv.rope_tables(cos, sin)
+        if not torch.is_grad_enabled():
+            self._refresh_fused()
+        layers = self.inner.layers
+        x = F.embedding(tokens_BT, self.inner.embed_tokens.weight)
+        h = fused.rms_norm(x, layers[0].input_layernorm.weight, self.eps)
+        for i, layer in enumerate(layers):
+            a = self._attention_fused(i, layer.self_attn, h, positions_BT, cos, sin, cache)
+            x, h = fused.add_rms_norm(x, a, layer.post_attention_layernorm.weight, self.eps)
+            mods = (layer.mlp.gate_proj, layer.mlp.up_proj)
+            m = apply_linear(layer.mlp.down_proj, fused.silu_mul(apply_fused(mods, self.fused(f"mlp{i}", mods), h)))
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.inner.norm
+            x, h = fused.add_rms_norm(x, m, norm.weight, self.eps)
+        return h
+
+    def _attention_fused(self, i: int, attn, h, positions_BT, cos, sin, cache: KVCache | None) -> torch.Tensor:
+        from lockstep.engine import fused
+
+        B, T, _ = h.shape
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        mods = (attn.q_proj, attn.k_proj, attn.v_proj)
+        qkv = apply_fused(mods, self.fused(f"attn{i}", mods), h).view(B, T, Hq + 2 * Hkv, D)
+        qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+            qk = torch.cat([fused.rms_norm(qk[:, :, :Hq], attn.q_norm.weight, self.eps),
+                            fused.rms_norm(qk[:, :, Hq:], attn.k_norm.weight, self.eps)], dim=2)
+        qk = fused.rope(qk, cos, sin)
+        q, k = qk[:, :, :Hq], qk[:, :, Hq:]
+        if cache is None:  # the fresh projections are the keys: query t sees keys 0..t
+            keys, values = k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            keys, values = cache.k[i], cache.v1[i]
+            b_idx = torch.arange(B).unsqueeze(1).expand(B, T)
+            keys[b_idx, :, positions_BT] = k
+            values[b_idx, :, positions_BT, :-1] = v
+        out = fused.attention(q, keys, values, positions_BT, self.scale)
+        return apply_linear(attn.o_proj, out.reshape(B, T, Hq * D))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return apply_linear(self.lm_head, hidden)
@@ -240,6 +289,17 @@ class InvariantLM:
         out = inv.attention(q_rows, keys, values, ctx.bias)[:, :, : G * T]
         out = out.reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq * D)
         return apply_linear(attn.o_proj, out)
+
+
+def _choose_path(model: "InvariantLM") -> tuple[str, str]:
+    from lockstep.engine import kernels
+
+    if kernels.load() is None:
+        return "eager", "the fused kernels are not built" if os.environ.get(kernels.MODE_ENV) != "eager" else \
+            f"{kernels.MODE_ENV}=eager"
+    if model.head_dim % 2:
+        return "eager", f"head size {model.head_dim} is odd (rotary embeddings need an even one)"
+    return "fused", "fused CPU kernels"
 
 
 @dataclass

@@ -1,0 +1,152 @@
+"""The fused kernels as differentiable ops: forwards in C++ (kernels/fused.cpp), backwards from
+torch ops.
+
+Outside autograd (the sampler, the trainer's `forward`) each op is one kernel call. Under
+autograd the forward is the same kernel, so the trainer's logprobs are the sampler's bit for bit;
+the backward is the textbook gradient written with torch ops (gradients are compared with the
+pure-PyTorch path to a tolerance, not bitwise: nothing consumes them bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lockstep.engine import kernels
+
+K = kernels.load()
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = K.rms_norm(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        r = rstd.view(*x.shape[:-1], 1)
+        xhat = x * r
+        g = dy * weight
+        dx = r * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+        dw = (dy * xhat).reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up):
+        ctx.save_for_backward(gate_up)
+        return K.silu_mul(gate_up)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (gate_up,) = ctx.saved_tensors
+        g, u = gate_up.chunk(2, dim=-1)
+        s = 1.0 / (1.0 + torch.exp(-g))
+        return torch.cat([dy * u * s * (1.0 + g * (1.0 - s)), dy * g * s], dim=-1)
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, signed_sin):
+        ctx.save_for_backward(cos, signed_sin)
+        return K.rope(x, cos, signed_sin)
+
+    @staticmethod
+    def backward(ctx, dy):
+        # y = x * c + roll(x, D/2) * s, so dx = dy * c + roll(dy * s, D/2) (a rotation's transpose).
+        cos, signed_sin = (t.unsqueeze(2) for t in ctx.saved_tensors)
+        return dy * cos + torch.roll(dy * signed_sin, dy.shape[-1] // 2, dims=-1), None, None
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, keys, values, positions, scale):
+        out, lse = K.attention(q, keys, values, positions, scale)
+        ctx.save_for_backward(q, keys, values, positions, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, keys, values, positions, out, lse = ctx.saved_tensors
+        B, T, Hq, D = q.shape
+        Hkv = keys.shape[1]
+        G, n = Hq // Hkv, int(positions.max()) + 1
+
+        def rows(t):  # (B, T, Hq, ...) -> (B, Hkv, G*T, ...): query rows per KV head
+            return t.reshape(B, T, Hkv, G, *t.shape[3:]).movedim(1, 3).reshape(B, Hkv, G * T, *t.shape[3:])
+
+        k, v = keys[:, :, :n], values[:, :, :n, :D]
+        q_r, do_r, o_r = rows(q), rows(d_out), rows(out)
+        visible = torch.arange(n).view(1, 1, 1, n) <= rows(positions.view(B, T, 1).expand(B, T, Hq)).unsqueeze(-1)
+        p = torch.exp(torch.matmul(q_r, k.transpose(-1, -2)) * ctx.scale - rows(lse).unsqueeze(-1)) * visible
+        dv = torch.matmul(p.transpose(-1, -2), do_r)
+        dp = torch.matmul(do_r, v.transpose(-1, -2))
+        ds = p * (dp - (do_r * o_r).sum(-1, keepdim=True)) * ctx.scale
+        dq = torch.matmul(ds, k).reshape(B, Hkv, G, T, D).movedim(3, 1).reshape(B, T, Hq, D)
+        dk = torch.matmul(ds.transpose(-1, -2), q_r)
+        d_keys = d_values = None
+        if ctx.needs_input_grad[1]:
+            d_keys = keys.new_zeros(keys.shape)
+            d_keys[:, :, :n] = dk
+        if ctx.needs_input_grad[2]:
+            d_values = values.new_zeros(values.shape)
+            d_values[:, :, :n, :D] = dv
+        return dq, d_keys, d_values, None, None
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return K.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx, dw = K.linear_backward(dy, x, weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        db = K.column_sum(dy) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for x (..., in), through the fixed tile plan in both directions."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    out = _Linear.apply(x2, weight, bias) if torch.is_grad_enabled() else K.linear(x2, weight, bias)
+    return out.reshape(*lead, weight.shape[0])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if torch.is_grad_enabled():
+        return _RMSNorm.apply(x, weight, eps)
+    return K.rms_norm(x, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + delta, rms_norm(x + delta)): one kernel outside autograd, the same bits inside."""
+    if torch.is_grad_enabled():
+        s = x + delta
+        return s, _RMSNorm.apply(s, weight, eps)
+    s, y, _ = K.add_rms_norm(x, delta, weight, eps)
+    return s, y
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return _SiluMul.apply(gate_up) if torch.is_grad_enabled() else K.silu_mul(gate_up)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    return _Rope.apply(x, cos, signed_sin) if torch.is_grad_enabled() else K.rope(x, cos, signed_sin)
+
+
+def attention(q, keys, values, positions, scale: float) -> torch.Tensor:
+    """Causal GQA attention: q (B, T, Hq, D); keys, values (B, Hkv, L, D) (values may carry extra
+    trailing columns, ignored); query (b, t) sees keys 0..positions[b, t]. -> (B, T, Hq, D)."""
+    if torch.is_grad_enabled():
+        return _Attention.apply(q, keys, values, positions, scale)
+    return K.attention(q, keys, values, positions, scale)[0]

@@ -1,0 +1,113 @@
+"""The fused CPU kernels (fused.cpp): built once by `scripts/setup.sh`, loaded here, or the
+pure-PyTorch path with a warning.
+
+`python -m lockstep.engine.kernels` compiles fused.cpp through torch's C++ extension machinery
+into `_build/<tag>/` next to this file; the tag hashes the source, the compile flags and the torch
+version, so an edited source or another torch is never served a stale build. Loading never
+compiles (a first forward must not wait a minute for g++, once per Ray worker): a missing build
+means the fallback.
+
+`LOCKSTEP_KERNELS=eager` forces the pure-PyTorch path (tests compare the two); `=fused` makes a
+missing build an error instead of a fallback. `LOCKSTEP_KERNELS_DIR` moves the builds elsewhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).with_name("fused.cpp")
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c++17")
+"""-ffp-contract=off and no fast-math: see THE RULE at the top of fused.cpp. -march=native: the
+build runs on the machine that uses it (setup.sh); another CPU gets its own build."""
+MODE_ENV = "LOCKSTEP_KERNELS"
+
+_loaded: ModuleType | None = None
+_tried = False
+
+
+def tag() -> str:
+    """Which build serves this source, these flags, this torch and this CPU."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_model().encode())
+    return h.hexdigest()[:16]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return "unknown"
+
+
+DIR_ENV = "LOCKSTEP_KERNELS_DIR"
+"""Where builds live, if not next to this file (an install that cannot write there)."""
+
+
+def build_dir() -> Path:
+    root = os.environ.get(DIR_ENV)
+    return (Path(root) if root else Path(__file__).with_name("_build")) / tag()
+
+
+def module_name() -> str:
+    return f"lockstep_fused_{tag()}"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile fused.cpp (a minute on 2 cores); returns the shared library's path."""
+    from torch.utils.cpp_extension import load
+
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    load(name=module_name(), sources=[str(SOURCE)], extra_cflags=list(CFLAGS), build_directory=str(out),
+         verbose=verbose)
+    return _library(out)
+
+
+def _library(out: Path) -> Path:
+    found = sorted(out.glob(f"{module_name()}*.so"))
+    if not found:
+        raise FileNotFoundError(f"no {module_name()}*.so in {out}")
+    return found[0]
+
+
+def load() -> ModuleType | None:
+    """The built kernels, or None (the pure-PyTorch path) with a one-time warning saying why."""
+    global _loaded, _tried
+    if _tried:
+        return _loaded
+    _tried = True
+    mode = os.environ.get(MODE_ENV, "auto")
+    if mode == "eager":
+        return None
+    try:
+        path = _library(build_dir())
+        spec = importlib.util.spec_from_file_location(module_name(), path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _loaded = module
+    except (OSError, ImportError) as e:
+        if mode == "fused":
+            raise RuntimeError(f"{MODE_ENV}=fused but the fused kernels are not built for this source, torch and "
+                               f"CPU ({e}); build them with: {sys.executable} -m lockstep.engine.kernels") from e
+        warnings.warn(f"lockstep's fused CPU kernels are not built, so the forward runs on the slower pure-PyTorch "
+                      f"path (still exact). To build them (needs g++): {sys.executable} -m lockstep.engine.kernels",
+                      RuntimeWarning, stacklevel=2)
+    return _loaded
+
+
+def path_name() -> str:
+    """"fused" or "eager": the forward this process runs."""
+    return "fused" if load() is not None else "eager"

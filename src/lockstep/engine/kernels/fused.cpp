@@ -1,0 +1,357 @@
+// Fused fp32 CPU kernels of lockstep's invariant forward, shared by the sampler and the trainer.
+//
+// THE RULE. Every output element is computed by one thread, through one code path, and every
+// reduction behind it runs in one fixed order that depends only on the reduction's own length
+// (the hidden size, the head size, the number of keys visible to a query): never on the batch
+// size, a row's place in the batch, padding, the KV cache's capacity or the thread count. Threads
+// split the work only between independent outputs (rows, heads, query positions); no reduction
+// is ever split between threads. The file is compiled with -ffp-contract=off and without
+// -ffast-math, so the compiler may vectorise across independent lanes but never reassociates a
+// sum or fuses a multiply-add differently at two call sites. Hence a token's result is the same
+// bits in a KV-cache decode step and in a padded full-sequence forward, which is what lets the
+// sampler's logprobs equal the trainer's.
+//
+// Matrix products follow the same rule through a fixed plan (gemm below): the output is cut into
+// tiles of fixed size, each computed by one single-threaded sgemm call, so neither the thread
+// count nor MKL's own threading choices (MKL_DYNAMIC may take fewer threads than asked when the
+// machine is busy, and at 3+ threads small products change their reduction order even in strict
+// CNR mode) can change a bit. A row's tile always has a multiple of ROW_TILE rows (MKL's kernel
+// for a single row differs), and a column always falls in the same tile of the same width.
+//
+// The backward passes of rms_norm, rope, silu_mul and attention are composed from torch ops in
+// engine/fused.py (gradients are not compared bit for bit with anything); the linear layers'
+// backward uses gemm too, so a training step is reproducible from one process to the next.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t LANES = 8;
+
+// sum_i a[i] * b[i]: LANES partial sums over whole blocks, the tail added to the first lanes in
+// order, the lanes folded pairwise. The order depends on n only.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[LANES] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    for (int64_t l = 0; l < LANES; ++l) acc[l] += a[i + l] * b[i + l];
+  }
+  for (int64_t l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+inline void rms_norm_row(const float* x, const float* w, float* y, int64_t n, float eps, float* rstd_out) {
+  const float mean = dot(x, x, n) / static_cast<float>(n);
+  const float r = 1.f / std::sqrt(mean + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
+  if (rstd_out) *rstd_out = r;
+}
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32");
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+int64_t grain(int64_t work_per_item) {
+  // Enough items per task that a task is worth scheduling (~16k flops); 1 at most per item.
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, work_per_item));
+}
+
+}  // namespace
+
+// -- matrix products through a fixed plan ---------------------------------------------------------
+
+extern "C" {
+// From the MKL inside libtorch_cpu; weak, so that a torch without MKL still loads this module
+// (and gemm then takes the plain loops below).
+__attribute__((weak)) void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                                  const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                                  const float* beta, float* c, const int* ldc);
+// The C interface (by value); in libtorch_cpu the lowercase name is the Fortran one (by pointer).
+__attribute__((weak)) int MKL_Set_Num_Threads_Local(int nt);
+}
+
+namespace {
+
+constexpr int64_t ROW_TILE = 8;
+constexpr int64_t TILE_ROWS = 128;  // a multiple of ROW_TILE
+constexpr int64_t TILE_COLS = 64;
+
+bool have_mkl() { return sgemm_ != nullptr && MKL_Set_Num_Threads_Local != nullptr; }
+
+// One tile, single-threaded: C (m x n, row stride ldc) = op(A) @ op(B), where op(A) is (m x k) and
+// op(B) is (k x n). a_t: A is stored (k x m) and op(A) = A^T; b_t: B is stored (n x k) and
+// op(B) = B^T. Row-major throughout; sgemm_ is column-major, so it computes C^T = op(B)^T op(A)^T.
+void tile(bool a_t, bool b_t, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+          int64_t ldb, float* c, int64_t ldc) {
+  if (have_mkl()) {
+    const char ta = b_t ? 'T' : 'N', tb = a_t ? 'T' : 'N';
+    const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
+    const int LDA = static_cast<int>(ldb), LDB = static_cast<int>(lda), LDC = static_cast<int>(ldc);
+    const float one = 1.f, zero = 0.f;
+    sgemm_(&ta, &tb, &M, &N, &K, &one, b, &LDA, a, &LDB, &zero, c, &LDC);
+    return;
+  }
+  for (int64_t i = 0; i < m; ++i) {  // no MKL: plain loops, k in order for every output
+    for (int64_t j = 0; j < n; ++j) {
+      float acc = 0.f;
+      for (int64_t p = 0; p < k; ++p) acc += (a_t ? a[p * lda + i] : a[i * lda + p]) * (b_t ? b[j * ldb + p] : b[p * ldb + j]);
+      c[i * ldc + j] = acc;
+    }
+  }
+}
+
+// C (m x n) = op(A) @ op(B) (see tile), every tile single-threaded, tiles spread over the threads.
+// For a row's bits not to depend on m, m must be a multiple of ROW_TILE (linear pads it).
+void gemm(bool a_t, bool b_t, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+          int64_t ldb, float* c) {
+  const int64_t row_tiles = (m + TILE_ROWS - 1) / TILE_ROWS, col_tiles = (n + TILE_COLS - 1) / TILE_COLS;
+  at::parallel_for(0, row_tiles * col_tiles, 1, [&](int64_t begin, int64_t end) {
+    const int before = have_mkl() ? MKL_Set_Num_Threads_Local(1) : 0;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t i0 = (t / col_tiles) * TILE_ROWS, j0 = (t % col_tiles) * TILE_COLS;
+      const int64_t rows = std::min(TILE_ROWS, m - i0), cols = std::min(TILE_COLS, n - j0);
+      const float* at = a_t ? a + i0 : a + i0 * lda;
+      const float* bt = b_t ? b + j0 * ldb : b + j0;
+      tile(a_t, b_t, rows, cols, k, at, lda, bt, ldb, c + i0 * n + j0, n);
+    }
+    if (have_mkl()) MKL_Set_Num_Threads_Local(before);
+  });
+}
+
+int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+}  // namespace
+
+// x (M, K) @ weight (N, K)^T (+ bias (N)) -> (M, N), rows padded to ROW_TILE inside.
+torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  check_f32(x, "x");
+  check_f32(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear: x (M, K), weight (N, K)");
+  x = x.contiguous();
+  weight = weight.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), Mp = std::max(ROW_TILE, round_up(M, ROW_TILE));
+  if (Mp != M) x = torch::cat({x, x.new_zeros({Mp - M, K})});
+  auto y = torch::empty({Mp, N}, x.options());
+  gemm(false, true, Mp, N, K, x.data_ptr<float>(), K, weight.data_ptr<float>(), K, y.data_ptr<float>());
+  if (Mp != M) y = y.narrow(0, 0, M);
+  if (bias.has_value() && bias->defined()) y = y + *bias;
+  return y;
+}
+
+// The linear layer's backward through the same plan: (dx = dy @ weight, dweight = dy^T @ x).
+std::vector<torch::Tensor> linear_backward(torch::Tensor dy, torch::Tensor x, torch::Tensor weight, bool need_dx,
+                                           bool need_dw) {
+  check_f32(dy, "dy");
+  dy = dy.contiguous();
+  x = x.contiguous();
+  weight = weight.contiguous();
+  const int64_t M = dy.size(0), N = dy.size(1), K = x.size(1);
+  torch::Tensor dx, dw;
+  if (need_dx) {
+    const int64_t Mp = std::max(ROW_TILE, round_up(M, ROW_TILE));
+    auto dyp = Mp != M ? torch::cat({dy, dy.new_zeros({Mp - M, N})}) : dy;
+    dx = torch::empty({Mp, K}, dy.options());
+    gemm(false, false, Mp, K, N, dyp.data_ptr<float>(), N, weight.data_ptr<float>(), K, dx.data_ptr<float>());
+    if (Mp != M) dx = dx.narrow(0, 0, M);
+  }
+  if (need_dw) {
+    dw = torch::empty({N, K}, dy.options());  // (its rows need no padding: only reproducibility matters here)
+    gemm(true, false, N, K, M, dy.data_ptr<float>(), N, x.data_ptr<float>(), K, dw.data_ptr<float>());
+  }
+  return {dx, dw};
+}
+
+// Column sums of x (M, N) in row order (a bias's gradient), one thread per column block.
+torch::Tensor column_sum(torch::Tensor x) {
+  check_f32(x, "x");
+  x = x.contiguous();
+  const int64_t M = x.size(0), N = x.size(1);
+  auto out = torch::zeros({N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, M)), [&](int64_t begin, int64_t end) {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = begin; j < end; ++j) op[j] += xp[i * N + j];
+  });
+  return out;
+}
+
+// x (N, H) contiguous -> (y (N, H), rstd (N)).
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_f32(x, "x");
+  check_f32(w, "weight");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t H = x.size(-1), N = x.numel() / H;
+  TORCH_CHECK(w.numel() == H, "weight has ", w.numel(), " elements, expected ", H);
+  auto y = torch::empty_like(x);
+  auto rstd = torch::empty({N}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float *yp = y.data_ptr<float>(), *rp = rstd.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, N, grain(3 * H), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * H, wp, yp + r * H, H, e, rp + r);
+  });
+  return {y, rstd};
+}
+
+// (x + delta, rms_norm(x + delta)): the residual add and the next norm in one pass.
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps) {
+  check_f32(x, "x");
+  check_f32(delta, "delta");
+  check_f32(w, "weight");
+  TORCH_CHECK(x.sizes() == delta.sizes(), "x and delta differ in shape");
+  x = x.contiguous();
+  delta = delta.contiguous();
+  w = w.contiguous();
+  const int64_t H = x.size(-1), N = x.numel() / H;
+  auto s = torch::empty_like(x);
+  auto y = torch::empty_like(x);
+  auto rstd = torch::empty({N}, x.options());
+  const float *xp = x.data_ptr<float>(), *dp = delta.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float *sp = s.data_ptr<float>(), *yp = y.data_ptr<float>(), *rp = rstd.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, N, grain(4 * H), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < H; ++i) sp[r * H + i] = xp[r * H + i] + dp[r * H + i];
+      rms_norm_row(sp + r * H, wp, yp + r * H, H, e, rp + r);
+    }
+  });
+  return {s, y, rstd};
+}
+
+// gate_up (N, 2I) contiguous -> silu(gate) * up (N, I), silu(g) = g / (1 + exp(-g)).
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_f32(gate_up, "gate_up");
+  gate_up = gate_up.contiguous();
+  const int64_t I2 = gate_up.size(-1), N = gate_up.numel() / I2, I = I2 / 2;
+  TORCH_CHECK(I2 % 2 == 0, "gate_up's last dimension must be even");
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = I;
+  auto y = torch::empty(sizes, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, grain(8 * I), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gp + r * I2;
+      const float* u = g + I;
+      float* out = yp + r * I;
+      for (int64_t i = 0; i < I; ++i) out[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
+    }
+  });
+  return y;
+}
+
+// x (B, T, H, D), last dim contiguous; cos, ssin (B, T, D) contiguous (ssin: the sine with its
+// first half negated) -> x * cos + roll(x, D/2) * ssin, contiguous (B, T, H, D).
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor ssin) {
+  check_f32(x, "x");
+  check_f32(cos, "cos");
+  check_f32(ssin, "sin");
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1, "x must be (B, T, H, D) with a contiguous last dim");
+  cos = cos.contiguous();
+  ssin = ssin.contiguous();
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && cos.numel() == B * T * D && ssin.numel() == B * T * D, "rope tables must be (B, T, D)");
+  auto y = torch::empty({B, T, H, D}, x.options());
+  const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = ssin.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
+  at::parallel_for(0, B * T, grain(4 * H * D), [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / T, t = bt % T;
+      const float* c = cp + bt * D;
+      const float* s = sp + bt * D;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* in = xp + b * sb + t * st + h * sh;
+        float* out = yp + (bt * H + h) * D;
+        for (int64_t d = 0; d < half; ++d) out[d] = in[d] * c[d] + in[d + half] * s[d];
+        for (int64_t d = half; d < D; ++d) out[d] = in[d] * c[d] + in[d - half] * s[d];
+      }
+    }
+  });
+  return y;
+}
+
+// Causal GQA attention. q (B, T, Hq, D), last dim contiguous; keys and values (B, Hkv, L, D)
+// with any strides but a contiguous last dim (a KV cache, or a view of the fresh projections);
+// positions (B, T) int64: query (b, t) attends to keys 0..positions[b, t] of row b. Scores are
+// dot(q, k) * scale. Returns (out (B, T, Hq, D), lse (B, T, Hq): the log-sum-exp of the scores,
+// for the backward).
+std::vector<torch::Tensor> attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions,
+                                     double scale) {
+  check_f32(q, "q");
+  check_f32(k, "keys");
+  check_f32(v, "values");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, keys and values must be 4-D");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "last dims must be contiguous");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64, "positions must be int64");
+  positions = positions.contiguous();
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), L = k.size(2), G = Hq / Hkv;
+  TORCH_CHECK(Hq % Hkv == 0 && k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == L &&
+                  k.size(3) == D && v.size(3) >= D,
+              "shapes do not match: q (B, T, Hq, D), keys and values (B, Hkv, L, D)");
+  TORCH_CHECK(positions.size(0) == B && positions.size(1) == T, "positions must be (B, T)");
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * T; ++i) {
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < L, "a query position is outside the keys [0, ", L, "): ", pp[i]);
+  }
+  auto out = torch::empty({B, T, Hq, D}, q.options());
+  auto lse = torch::empty({B, T, Hq}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
+  const int64_t qb = q.stride(0), qt = q.stride(1), qh = q.stride(2);
+  const int64_t kb = k.stride(0), kh = k.stride(1), kl = k.stride(2);
+  const int64_t vb = v.stride(0), vh = v.stride(1), vl = v.stride(2);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * T * Hq, grain(4 * L * D), [&](int64_t begin, int64_t end) {
+    std::vector<float> score(L);
+    std::vector<float> acc(D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (T * Hq), t = (item / Hq) % T, h = item % Hq, g = h / G;
+      const int64_t n = pp[b * T + t] + 1;  // visible keys
+      const float* qv = qp + b * qb + t * qt + h * qh;
+      const float* kbase = kp + b * kb + g * kh;
+      const float* vbase = vp + b * vb + g * vh;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < n; ++j) {
+        score[j] = dot(qv, kbase + j * kl, D) * sc;
+        m = std::max(m, score[j]);
+      }
+      float denom = 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        const float e = std::exp(score[j] - m);
+        denom += e;
+        const float* vv = vbase + j * vl;
+        for (int64_t d = 0; d < D; ++d) acc[d] += e * vv[d];
+      }
+      float* o = op + item * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / denom;
+      lp[item] = m + std::log(denom);
+    }
+  });
+  return {out, lse};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "lockstep's fused, batch-invariant fp32 CPU kernels (see the rule at the top of fused.cpp)";
+  m.def("rms_norm", &rms_norm, "RMSNorm rows: (y, rstd)");
+  m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta), rstd)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over (..., 2I)");
+  m.def("rope", &rope, "rotary embedding of (B, T, H, D)");
+  m.def("attention", &attention, "causal GQA attention over a key buffer: (out, lse)");
+  m.def("linear", &linear, "x @ weight^T (+ bias) through the fixed tile plan");
+  m.def("linear_backward", &linear_backward, "(dy @ weight, dy^T @ x) through the fixed tile plan");
+  m.def("column_sum", &column_sum, "column sums in row order");
+  m.def("uses_mkl", &have_mkl, "whether gemm calls MKL's sgemm (else plain loops)");
+}

@@ -1,0 +1,147 @@
+"""The fused CPU kernels (engine/kernels/fused.cpp): each op against the pure-PyTorch one, the
+invariance rule (a row's bits never depend on its batch, padding, cache capacity or the thread
+count), gradients, and the fallback when the kernels are not built."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lockstep.engine import fused, kernels
+from lockstep.engine import invariant as inv
+
+assert fused.K is not None, "the fused kernels are not built: run scripts/setup.sh (or python -m lockstep.engine.kernels)"
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def eager_attention(q, keys, values, positions, scale):
+    """Reference: dense masked softmax attention in float64."""
+    B, T, Hq, D = q.shape
+    G = Hq // keys.shape[1]
+    k = keys.double().repeat_interleave(G, dim=1)  # (B, Hq, L, D)
+    v = values[..., :D].double().repeat_interleave(G, dim=1)
+    s = torch.einsum("bthd,bhld->bthl", q.double(), k) * scale
+    hidden = torch.arange(keys.shape[2]).view(1, 1, 1, -1) > positions.view(B, T, 1, 1)
+    p = torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1)
+    return torch.einsum("bthl,bhld->bthd", p, v)
+
+
+def test_each_op_computes_what_the_pure_pytorch_op_does():
+    x, w = rand(6, 40), rand(40, seed=1)
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), inv.rms_norm(x, w, 1e-6), rtol=1e-6, atol=1e-6)
+    d = rand(6, 40, seed=2)
+    s, y = fused.add_rms_norm(x, d, w, 1e-6)
+    assert torch.equal(s, x + d)
+    torch.testing.assert_close(y, inv.rms_norm(x + d, w, 1e-6), rtol=1e-6, atol=1e-6)
+    gu = rand(5, 3, 2 * 24) * 4
+    g, u = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(fused.silu_mul(gu), inv.silu(g) * u, rtol=1e-6, atol=1e-6)
+    qk, cos, sin = rand(2, 7, 5, 16), rand(2, 7, 16, seed=3), rand(2, 7, 16, seed=4)
+    cos, ssin = inv.rope_tables(cos, sin)
+    torch.testing.assert_close(fused.rope(qk, cos, ssin), inv.apply_rope(qk, cos.unsqueeze(2), ssin.unsqueeze(2)),
+                               rtol=1e-6, atol=1e-6)
+    q, keys, values = rand(3, 9, 4, 16), rand(3, 2, 32, 16, seed=5), rand(3, 2, 32, 17, seed=6)
+    positions = torch.tensor([list(range(9)), list(range(3, 12)), [20] * 9])
+    torch.testing.assert_close(fused.attention(q, keys, values, positions, 0.25).double(),
+                               eager_attention(q, keys, values, positions, 0.25), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_a_rows_bits_never_depend_on_its_batch_padding_cache_or_threads(threads):
+    """One query row alone, single-threaded, is the reference; in a batch of other rows, at
+    another place, with a longer key buffer and more threads, its output is the same bits."""
+    torch.set_num_threads(1)
+    q, keys, values = rand(1, 1, 4, 32), rand(1, 2, 32, 32, seed=1), rand(1, 2, 32, 33, seed=2)
+    pos = torch.tensor([[13]])
+    alone = fused.attention(q, keys, values, pos, 0.17)
+    x, w = rand(1, 96), rand(96, seed=3)
+    norm_alone = fused.rms_norm(x, w, 1e-5)
+    torch.set_num_threads(threads)
+    B, L = 37, 160  # a longer buffer: keys past the position hold other data
+    bq, bk, bv = rand(B, 3, 4, 32, seed=4), rand(B, 2, L, 32, seed=5), rand(B, 2, L, 33, seed=6)
+    bq[21, 2], bk[21, :, :32], bv[21, :, :32] = q[0, 0], keys[0], values[0]
+    bpos = torch.randint(0, L, (B, 3), generator=torch.Generator().manual_seed(7))
+    bpos[21, 2] = 13
+    assert torch.equal(fused.attention(bq, bk, bv, bpos, 0.17)[21, 2], alone[0, 0])
+    bx = rand(B, 96, seed=8)
+    bx[21] = x[0]
+    assert torch.equal(fused.rms_norm(bx, w, 1e-5)[21], norm_alone[0])
+
+
+def test_gradients_match_the_pure_pytorch_ops():
+    def grads(f, *inputs):
+        inputs = [t.clone().requires_grad_(True) for t in inputs]
+        out = f(*inputs)
+        out.backward(rand(*out.shape, seed=99))
+        return [t.grad for t in inputs]
+
+    x, w = rand(6, 40), rand(40, seed=1)
+    for a, b in zip(grads(lambda x, w: fused.rms_norm(x, w, 1e-6), x, w),
+                    grads(lambda x, w: inv.rms_norm(x, w, 1e-6), x, w)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    gu = rand(5, 2 * 24) * 3
+    torch.testing.assert_close(grads(fused.silu_mul, gu)[0],
+                               grads(lambda t: inv.silu(t.chunk(2, -1)[0]) * t.chunk(2, -1)[1], gu)[0],
+                               rtol=1e-5, atol=1e-5)
+    qk, cos, sin = rand(2, 7, 5, 16), rand(2, 7, 16, seed=3), rand(2, 7, 16, seed=4)
+    cos, ssin = inv.rope_tables(cos, sin)
+    torch.testing.assert_close(grads(lambda t: fused.rope(t, cos, ssin), qk)[0],
+                               grads(lambda t: inv.apply_rope(t, cos.unsqueeze(2), ssin.unsqueeze(2)), qk)[0])
+    q, keys, values = rand(2, 6, 4, 8), rand(2, 2, 32, 8, seed=5), rand(2, 2, 32, 9, seed=6)
+    positions = torch.tensor([list(range(6)), list(range(10, 16))])
+    got = grads(lambda q, k, v: fused.attention(q, k, v, positions, 0.3), q, keys, values)
+    want = grads(lambda q, k, v: eager_attention(q, k, v, positions, 0.3).float(), q, keys, values)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert not got[1][:, :, 16:].any() and not got[2][..., 8].any()  # keys nobody sees, the extra column
+
+
+def test_bad_shapes_are_a_clear_error_not_a_crash():
+    with pytest.raises(RuntimeError, match="outside the keys"):
+        fused.attention(rand(1, 1, 2, 8), rand(1, 1, 4, 8), rand(1, 1, 4, 8), torch.tensor([[4]]), 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        fused.rms_norm(rand(2, 4).double(), rand(4).double(), 1e-6)
+    with pytest.raises(RuntimeError, match="weight has 3 elements"):
+        fused.rms_norm(rand(2, 4), rand(3), 1e-6)
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+
+
+def test_without_a_build_the_forward_falls_back_with_a_warning_that_says_how_to_build(tmp_path, builtin_dir):
+    code = f"""
+        import warnings
+        warnings.simplefilter("always")
+        from lockstep.engine.trainer import Trainer
+        t = Trainer.from_pretrained({str(builtin_dir)!r})
+        print(t.model.path, "|", t.model.path_reason)
+    """
+    r = run_python(code, LOCKSTEP_KERNELS_DIR=str(tmp_path), LOCKSTEP_KERNELS="auto")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "eager | the fused kernels are not built"
+    warning = [line for line in r.stderr.splitlines() if "fused CPU kernels are not built" in line]
+    assert len(warning) == 1 and "-m lockstep.engine.kernels" in warning[0]
+    r = run_python(code, LOCKSTEP_KERNELS_DIR=str(tmp_path), LOCKSTEP_KERNELS="fused")
+    assert r.returncode != 0 and "LOCKSTEP_KERNELS=fused but the fused kernels are not built" in r.stderr
+
+
+def test_a_failed_build_says_what_to_do_and_exits_nonzero(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "lockstep.engine.kernels"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "LOCKSTEP_KERNELS_DIR": str(tmp_path), "CXX": "/nonexistent/g++"})
+    assert r.returncode == 1
+    assert "could not be built" in r.stderr and "Install g++ and re-run" in r.stderr
