@@ -102,11 +102,12 @@ def tree(pid: int) -> list:
     return [root, *root.children(recursive=True)]
 
 
-def describe(procs) -> list:
+def describe(procs, width: int | None = 80) -> list:
+    """"pid command line" per process, the command line cut to `width` characters (None: whole)."""
     out = []
     for p in procs:
         try:
-            out.append(f"{p.pid} {' '.join(p.cmdline())[:80]}")
+            out.append(f"{p.pid} {' '.join(p.cmdline())[:width]}")
         except psutil.NoSuchProcess:
             pass
     return out
@@ -280,7 +281,7 @@ def test_a_killed_worker_takes_its_ray_and_jobs_along_and_serve_restarts_it(logg
     job = submit_job(srv, srv.keys["gail"], *LONG_JOB)
     job_driver(first)
     procs = tree(first.pid)
-    names = " ".join(describe(procs))
+    names = " ".join(describe(procs, width=None))  # whole: a job actor's name holds its (long) run directory
     assert all(n in names for n in ("gcs_server", "raylet", "RequestExecutor", "run:trainer")), names
     bound = listening(procs)
     assert bound and all(addr.ip in LOOPBACK for _, addr in bound), bound

@@ -98,6 +98,28 @@ class _Attention(torch.autograd.Function):
         return dq, d_keys, d_values, None, None
 
 
+class _LogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = K.log_softmax(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return dy - torch.exp(y) * dy.sum(-1, keepdim=True)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    return _LogSoftmax.apply(x) if torch.is_grad_enabled() else K.log_softmax(x)
+
+
+def sample_rows(logp: torch.Tensor, keys: torch.Tensor, step: int) -> torch.Tensor:
+    """A token per row from logp (N, V) with the counter RNG of engine/sampling.py."""
+    return K.sample_rows(logp, keys, step)
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -142,6 +164,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     return _Rope.apply(x, cos, signed_sin) if torch.is_grad_enabled() else K.rope(x, cos, signed_sin)
+
+
+def cache_write(keys, values, k, v, positions) -> None:
+    """keys[b, :, positions[b, t]] = k[b, t] (values likewise, their first D columns): one kernel
+    outside autograd; under autograd (the trainer's shared prefixes) an index_put that gradients
+    flow through."""
+    if torch.is_grad_enabled():
+        b_idx = torch.arange(k.shape[0]).unsqueeze(1).expand(positions.shape)
+        keys[b_idx, :, positions] = k
+        values[b_idx, :, positions, : v.shape[-1]] = v
+    else:
+        K.cache_write(keys, values, k, v, positions)
 
 
 def attention(q, keys, values, positions, scale: float) -> torch.Tensor:

@@ -154,6 +154,9 @@ def _load_fixed_plan():
 
 
 _fixed_plan_linear = _load_fixed_plan()
+_fused_log_softmax = None
+if _fixed_plan_linear is not None:
+    from lockstep.engine.fused import log_softmax as _fused_log_softmax  # noqa: E402
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -208,5 +211,8 @@ def attention(
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """Row-wise log-softmax (ATen's last-dim reductions are row-invariant; tested)."""
+    """Row-wise log-softmax: the fused kernel when built, else ATen's (its last-dim reductions are
+    row-invariant; tested). Sampler and trainer both come here."""
+    if _fused_log_softmax is not None:
+        return _fused_log_softmax(logits)
     return torch.log_softmax(logits, dim=-1)

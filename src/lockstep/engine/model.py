@@ -243,9 +243,7 @@ class InvariantLM:
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
         else:
             keys, values = cache.k[i], cache.v1[i]
-            b_idx = torch.arange(B).unsqueeze(1).expand(B, T)
-            keys[b_idx, :, positions_BT] = k
-            values[b_idx, :, positions_BT, :-1] = v
+            fused.cache_write(keys, values, k, v, positions_BT)
         out = fused.attention(q, keys, values, positions_BT, self.scale)
         return apply_linear(attn.o_proj, out.reshape(B, T, Hq * D))
 

@@ -8,6 +8,7 @@ the same seed and prompt give the same completion in any batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -56,14 +57,25 @@ class RowParams:
     def select(self, rows: torch.Tensor) -> "RowParams":
         return RowParams(*(t.index_select(0, rows) for t in (self.temperature, self.top_k, self.top_p, self.seeds)))
 
-    @property
+    @cached_property
     def greedy_R(self) -> torch.Tensor:
         return self.temperature == 0
 
-    @property
+    @cached_property
     def plain_R(self) -> torch.Tensor:
         """Rows that sample from the model's own distribution (T=1, no truncation)."""
         return (self.temperature == 1) & (self.top_k == -1) & (self.top_p >= 1)
+
+    @cached_property
+    def shaped_rows(self) -> torch.Tensor | None:
+        """Indices of the rows with a temperature other than 0 and 1, or top-k / top-p; None if none.
+        (Cached, like the masks: a decode step asks every time, and the rows change only on select.)"""
+        rows = (~(self.plain_R | self.greedy_R)).nonzero().squeeze(1)
+        return rows if rows.numel() else None
+
+    @cached_property
+    def any_greedy(self) -> bool:
+        return bool(self.greedy_R.any())
 
 
 def _truncate(scaled: torch.Tensor, p: RowParams) -> torch.Tensor:
@@ -93,6 +105,19 @@ def _shaped_logp(logits: torch.Tensor, p: RowParams) -> torch.Tensor:
     return log_softmax(scaled)
 
 
+def _draw(logp: torch.Tensor, seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """Inverse-CDF draw per row at its counter-RNG uniform (one kernel call when built)."""
+    from lockstep.engine import kernels
+
+    if kernels.load() is not None:
+        from lockstep.engine.fused import sample_rows
+
+        return sample_rows(logp, seeds, step)
+    cdf = torch.cumsum(torch.exp(logp.double()), dim=-1)
+    u = uniform(seeds, step) * cdf[:, -1]
+    return torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1).clamp_(max=logp.shape[-1] - 1)
+
+
 def choose(logits: torch.Tensor, p: RowParams, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; return (tokens, logprob of each under the distribution used).
 
@@ -102,14 +127,10 @@ def choose(logits: torch.Tensor, p: RowParams, step: int) -> tuple[torch.Tensor,
     log p. Row-wise ops are batch-invariant, so a row never depends on what shares its batch.
     """
     dist_logp = model_logp = log_softmax(logits)
-    greedy_R = p.greedy_R
-    shaped_R = ~(p.plain_R | greedy_R)
-    if bool(shaped_R.any()):
-        rows = shaped_R.nonzero().squeeze(1)
+    rows = p.shaped_rows
+    if rows is not None:
         dist_logp = model_logp.index_copy(0, rows, _shaped_logp(logits.index_select(0, rows), p.select(rows)))
-    cdf = torch.cumsum(torch.exp(dist_logp.double()), dim=-1)
-    u = uniform(p.seeds, step) * cdf[:, -1]
-    tokens = torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
-    if bool(greedy_R.any()):
-        tokens = torch.where(greedy_R, logits.argmax(-1), tokens)
+    tokens = _draw(dist_logp, p.seeds, step)
+    if p.any_greedy:
+        tokens = torch.where(p.greedy_R, logits.argmax(-1), tokens)
     return tokens, dist_logp.gather(1, tokens.unsqueeze(1)).squeeze(1)

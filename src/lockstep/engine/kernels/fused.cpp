@@ -281,6 +281,118 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor ssin) {
   return y;
 }
 
+// Row-wise log-softmax of x (N, V): max, then the sum of exp(x - max) in a fixed order, then
+// x - max - log(sum).
+torch::Tensor log_softmax(torch::Tensor x) {
+  check_f32(x, "x");
+  x = x.contiguous();
+  const int64_t V = x.size(-1), N = x.numel() / V;
+  auto y = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, grain(8 * V), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* in = xp + r * V;
+      float* out = yp + r * V;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < V; ++j) m = std::max(m, in[j]);
+      for (int64_t j = 0; j < V; ++j) out[j] = std::exp(in[j] - m);  // scratch: the row's exps
+      float acc[LANES] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      int64_t j = 0;
+      for (; j + LANES <= V; j += LANES)
+        for (int64_t l = 0; l < LANES; ++l) acc[l] += out[j + l];
+      for (int64_t l = 0; j < V; ++j, ++l) acc[l] += out[j];
+      const float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+      const float lse = std::log(sum);
+      for (int64_t i = 0; i < V; ++i) out[i] = (in[i] - m) - lse;
+    }
+  });
+  return y;
+}
+
+namespace {
+
+// The counter-based RNG of engine/sampling.py (uniform, _hash32, _splitmix64), bit for bit.
+constexpr uint64_t M32 = 0xFFFFFFFFull;
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+double uniform(int64_t key, uint64_t mixed_step) {
+  uint64_t x = (static_cast<uint64_t>(key) ^ (mixed_step & M32)) & M32;
+  x = x ^ (x >> 16);
+  x = (x * 0x7FEB352Dull) & M32;
+  x = x ^ (x >> 15);
+  x = (x * 0x5BD1E995ull) & M32;
+  x = x ^ (x >> 16);
+  return (static_cast<double>(x) + 0.5) / 4294967296.0;
+}
+
+}  // namespace
+
+// One token per row from the distribution logp (N, V): the inverse CDF (exp summed in float64, in
+// order) at the row's uniform draw for (keys[r], step), as engine/sampling.py's choose does.
+torch::Tensor sample_rows(torch::Tensor logp, torch::Tensor keys, int64_t step) {
+  check_f32(logp, "logp");
+  TORCH_CHECK(keys.scalar_type() == torch::kInt64 && keys.numel() == logp.size(0), "keys must be int64 (N)");
+  logp = logp.contiguous();
+  keys = keys.contiguous();
+  const int64_t N = logp.size(0), V = logp.size(1);
+  auto tokens = torch::empty({N}, keys.options());
+  const float* lp = logp.data_ptr<float>();
+  const int64_t* kp = keys.data_ptr<int64_t>();
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  const uint64_t mixed = splitmix64(static_cast<uint64_t>(step));
+  at::parallel_for(0, N, grain(4 * V), [&](int64_t begin, int64_t end) {
+    std::vector<double> cdf(V);
+    for (int64_t r = begin; r < end; ++r) {
+      double total = 0.0;
+      for (int64_t j = 0; j < V; ++j) cdf[j] = total += std::exp(static_cast<double>(lp[r * V + j]));
+      const double u = uniform(kp[r], mixed) * total;
+      const int64_t pick = std::upper_bound(cdf.begin(), cdf.end(), u) - cdf.begin();  // first cdf > u
+      tp[r] = std::min(pick, V - 1);
+    }
+  });
+  return tokens;
+}
+
+// The KV-cache write: keys[b, :, positions[b, t]] = k[b, t] and the same for values (whose rows
+// may be wider: only the first D columns are written). keys, values (B, Hkv, L, >=D) and k, v
+// (B, T, Hkv, D), any strides with a contiguous last dim.
+void cache_write(torch::Tensor keys, torch::Tensor values, torch::Tensor k, torch::Tensor v, torch::Tensor positions) {
+  check_f32(keys, "keys");
+  check_f32(values, "values");
+  check_f32(k, "k");
+  check_f32(v, "v");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "last dims must be contiguous");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64, "positions must be int64");
+  positions = positions.contiguous();
+  const int64_t B = k.size(0), T = k.size(1), H = k.size(2), D = k.size(3), L = keys.size(2);
+  TORCH_CHECK(keys.size(0) == B && keys.size(1) == H && keys.size(3) == D && values.size(2) == L &&
+                  values.size(3) >= D && v.sizes() == k.sizes() && positions.size(0) == B && positions.size(1) == T,
+              "cache_write: shapes do not match");
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * T; ++i) TORCH_CHECK(pp[i] >= 0 && pp[i] < L, "a position is outside the cache: ", pp[i]);
+  float *kc = keys.data_ptr<float>(), *vc = values.data_ptr<float>();
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  at::parallel_for(0, B * T, grain(2 * H * D), [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / T, t = bt % T, slot = pp[bt];
+      for (int64_t h = 0; h < H; ++h) {
+        std::copy_n(kp + b * k.stride(0) + t * k.stride(1) + h * k.stride(2), D,
+                    kc + b * keys.stride(0) + h * keys.stride(1) + slot * keys.stride(2));
+        std::copy_n(vp + b * v.stride(0) + t * v.stride(1) + h * v.stride(2), D,
+                    vc + b * values.stride(0) + h * values.stride(1) + slot * values.stride(2));
+      }
+    }
+  });
+}
+
 // Causal GQA attention. q (B, T, Hq, D), last dim contiguous; keys and values (B, Hkv, L, D)
 // with any strides but a contiguous last dim (a KV cache, or a view of the fresh projections);
 // positions (B, T) int64: query (b, t) attends to keys 0..positions[b, t] of row b. Scores are
@@ -350,6 +462,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up over (..., 2I)");
   m.def("rope", &rope, "rotary embedding of (B, T, H, D)");
   m.def("attention", &attention, "causal GQA attention over a key buffer: (out, lse)");
+  m.def("log_softmax", &log_softmax, "row-wise log-softmax in a fixed order");
+  m.def("sample_rows", &sample_rows, "inverse-CDF sampling with the counter RNG");
+  m.def("cache_write", &cache_write, "write k, v into a KV cache at the given positions");
   m.def("linear", &linear, "x @ weight^T (+ bias) through the fixed tile plan");
   m.def("linear_backward", &linear_backward, "(dy @ weight, dy^T @ x) through the fixed tile plan");
   m.def("column_sum", &column_sum, "column sums in row order");
