@@ -24,9 +24,12 @@ from types import ModuleType
 import torch
 
 SOURCE = Path(__file__).with_name("fused.cpp")
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c++17")
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c++17", "-fopenmp")
 """-ffp-contract=off and no fast-math: see THE RULE at the top of fused.cpp. -march=native: the
-build runs on the machine that uses it (setup.sh); another CPU gets its own build."""
+build runs on the machine that uses it (setup.sh); another CPU gets its own build. -fopenmp: ATen's
+parallel_for is an inline OpenMP loop, serial without it (the process then shares torch's own
+libgomp.so.1, loaded first)."""
+LDFLAGS = ("-fopenmp",)
 MODE_ENV = "LOCKSTEP_KERNELS"
 
 _loaded: ModuleType | None = None
@@ -36,7 +39,7 @@ _tried = False
 def tag() -> str:
     """Which build serves this source, these flags, this torch and this CPU."""
     h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(CFLAGS + LDFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_model().encode())
     return h.hexdigest()[:16]
@@ -71,8 +74,8 @@ def build(verbose: bool = False) -> Path:
 
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
-    load(name=module_name(), sources=[str(SOURCE)], extra_cflags=list(CFLAGS), build_directory=str(out),
-         verbose=verbose)
+    load(name=module_name(), sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+         build_directory=str(out), verbose=verbose)
     return _library(out)
 
 
