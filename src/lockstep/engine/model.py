@@ -149,8 +149,9 @@ class InvariantLM:
         data pointer on every `.data` swap (the generator's zero-copy hot-swap), so a stale fused
         copy is impossible without anyone having to invalidate it by hand.
         """
-        params = [p for _, mods in self._fused_groups() for m in mods for p in (_base(m).weight, _base(m).bias)
-                  if p is not None]
+        if not hasattr(self, "_fused_bases"):  # the modules never change; their parameters may
+            self._fused_bases = [_base(m)._parameters for _, mods in self._fused_groups() for m in mods]
+        params = [p for ps in self._fused_bases for p in (ps["weight"], ps.get("bias")) if p is not None]
         stamp = tuple((id(p), p._version, p.data_ptr()) for p in params)
         if self._fused_cache.get("__stamp__") != stamp:
             self._fused_cache = {key: tuple(t.detach() if t is not None else None for t in _fuse(mods))
@@ -214,29 +215,34 @@ class InvariantLM:
         cos, sin = inv.rope_tables(cos, sin)
         if not torch.is_grad_enabled():
             self._refresh_fused()
-        layers = self.inner.layers
+        plan = self._layer_plan()
         x = F.embedding(tokens_BT, self.inner.embed_tokens.weight)
-        h = fused.rms_norm(x, layers[0].input_layernorm.weight, self.eps)
-        for i, layer in enumerate(layers):
-            a = self._attention_fused(i, layer.self_attn, h, positions_BT, cos, sin, cache)
-            x, h = fused.add_rms_norm(x, a, layer.post_attention_layernorm.weight, self.eps)
-            mods = (layer.mlp.gate_proj, layer.mlp.up_proj)
-            m = apply_linear(layer.mlp.down_proj, fused.silu_mul(apply_fused(mods, self.fused(f"mlp{i}", mods), h)))
-            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.inner.norm
-            x, h = fused.add_rms_norm(x, m, norm.weight, self.eps)
+        h = fused.rms_norm(x, plan[0].in_norm["weight"], self.eps)
+        for i, lp in enumerate(plan):
+            a = self._attention_fused(i, lp, h, positions_BT, cos, sin, cache)
+            x, h = fused.add_rms_norm(x, a, lp.post_norm["weight"], self.eps)
+            m = apply_linear(lp.down, fused.silu_mul(apply_fused(lp.mlp, self.fused(f"mlp{i}", lp.mlp), h)))
+            norm = plan[i + 1].in_norm if i + 1 < len(plan) else self.inner.norm._parameters
+            x, h = fused.add_rms_norm(x, m, norm["weight"], self.eps)
         return h
 
-    def _attention_fused(self, i: int, attn, h, positions_BT, cos, sin, cache: KVCache | None) -> torch.Tensor:
+    def _layer_plan(self) -> list["_LayerPlan"]:
+        """Each layer's modules and parameter dicts, looked up once (nn.Module attribute access
+        costs ~1 us, some 300 times per decode step otherwise)."""
+        if not hasattr(self, "_plan"):
+            self._plan = [_LayerPlan.of(layer) for layer in self.inner.layers]
+        return self._plan
+
+    def _attention_fused(self, i: int, lp: "_LayerPlan", h, positions_BT, cos, sin, cache: KVCache | None) -> torch.Tensor:
         from lockstep.engine import fused
 
         B, T, _ = h.shape
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        mods = (attn.q_proj, attn.k_proj, attn.v_proj)
-        qkv = apply_fused(mods, self.fused(f"attn{i}", mods), h).view(B, T, Hq + 2 * Hkv, D)
+        qkv = apply_fused(lp.attn, self.fused(f"attn{i}", lp.attn), h).view(B, T, Hq + 2 * Hkv, D)
         qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
-        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
-            qk = torch.cat([fused.rms_norm(qk[:, :, :Hq], attn.q_norm.weight, self.eps),
-                            fused.rms_norm(qk[:, :, Hq:], attn.k_norm.weight, self.eps)], dim=2)
+        if lp.qk_norms is not None:  # Qwen3: per-head RMSNorm before RoPE
+            qk = torch.cat([fused.rms_norm(qk[:, :, :Hq], lp.qk_norms[0]["weight"], self.eps),
+                            fused.rms_norm(qk[:, :, Hq:], lp.qk_norms[1]["weight"], self.eps)], dim=2)
         qk = fused.rope(qk, cos, sin)
         q, k = qk[:, :, :Hq], qk[:, :, Hq:]
         if cache is None:  # the fresh projections are the keys: query t sees keys 0..t
@@ -245,7 +251,7 @@ class InvariantLM:
             keys, values = cache.k[i], cache.v1[i]
             fused.cache_write(keys, values, k, v, positions_BT)
         out = fused.attention(q, keys, values, positions_BT, self.scale)
-        return apply_linear(attn.o_proj, out.reshape(B, T, Hq * D))
+        return apply_linear(lp.o_proj, out.reshape(B, T, Hq * D))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return apply_linear(self.lm_head, hidden)
@@ -287,6 +293,27 @@ class InvariantLM:
         out = inv.attention(q_rows, keys, values, ctx.bias)[:, :, : G * T]
         out = out.reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq * D)
         return apply_linear(attn.o_proj, out)
+
+
+@dataclass(frozen=True)
+class _LayerPlan:
+    """One decoder layer's modules, and its norms' parameter dicts (read at each use: a hot-swap
+    may replace a parameter)."""
+
+    in_norm: dict
+    post_norm: dict
+    attn: tuple  # q, k, v projections
+    o_proj: object
+    qk_norms: tuple | None  # Qwen3's per-head q and k norms
+    mlp: tuple  # gate, up projections
+    down: object
+
+    @staticmethod
+    def of(layer) -> "_LayerPlan":
+        a, m = layer.self_attn, layer.mlp
+        norms = (a.q_norm._parameters, a.k_norm._parameters) if hasattr(a, "q_norm") else None
+        return _LayerPlan(layer.input_layernorm._parameters, layer.post_attention_layernorm._parameters,
+                          (a.q_proj, a.k_proj, a.v_proj), a.o_proj, norms, (m.gate_proj, m.up_proj), m.down_proj)
 
 
 def _choose_path(model: "InvariantLM") -> tuple[str, str]:

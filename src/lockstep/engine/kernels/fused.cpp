@@ -82,7 +82,16 @@ namespace {
 
 constexpr int64_t ROW_TILE = 8;
 constexpr int64_t TILE_ROWS = 128;  // a multiple of ROW_TILE
-constexpr int64_t TILE_COLS = 64;
+
+// A tile's width: a function of the weight's shape (n outputs, k inputs) only, never of the rows
+// or the threads, so a column is always computed in the same tile. At least 16384 / k columns, so
+// that a single-threaded sgemm on a decode step's few rows runs well (64 columns over
+// k = 128 ran at a third of it; over k = 512, at 90%), else a quarter of n to give the threads
+// several tiles; between 64 and 512, in steps of 64.
+int64_t tile_cols(int64_t n, int64_t k) {
+  const int64_t want = std::max<int64_t>(16384 / std::max<int64_t>(k, 1), n / 4);
+  return std::min<int64_t>(512, std::max<int64_t>(64, (want + 63) / 64 * 64));
+}
 
 bool have_mkl() { return sgemm_ != nullptr && MKL_Set_Num_Threads_Local != nullptr; }
 
@@ -112,12 +121,13 @@ void tile(bool a_t, bool b_t, int64_t m, int64_t n, int64_t k, const float* a, i
 // For a row's bits not to depend on m, m must be a multiple of ROW_TILE (linear pads it).
 void gemm(bool a_t, bool b_t, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
           int64_t ldb, float* c) {
-  const int64_t row_tiles = (m + TILE_ROWS - 1) / TILE_ROWS, col_tiles = (n + TILE_COLS - 1) / TILE_COLS;
+  const int64_t cols_per_tile = tile_cols(n, k);
+  const int64_t row_tiles = (m + TILE_ROWS - 1) / TILE_ROWS, col_tiles = (n + cols_per_tile - 1) / cols_per_tile;
   at::parallel_for(0, row_tiles * col_tiles, 1, [&](int64_t begin, int64_t end) {
     const int before = have_mkl() ? MKL_Set_Num_Threads_Local(1) : 0;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t i0 = (t / col_tiles) * TILE_ROWS, j0 = (t % col_tiles) * TILE_COLS;
-      const int64_t rows = std::min(TILE_ROWS, m - i0), cols = std::min(TILE_COLS, n - j0);
+      const int64_t i0 = (t / col_tiles) * TILE_ROWS, j0 = (t % col_tiles) * cols_per_tile;
+      const int64_t rows = std::min(TILE_ROWS, m - i0), cols = std::min(cols_per_tile, n - j0);
       const float* at = a_t ? a + i0 : a + i0 * lda;
       const float* bt = b_t ? b + j0 * ldb : b + j0;
       tile(a_t, b_t, rows, cols, k, at, lda, bt, ldb, c + i0 * n + j0, n);
