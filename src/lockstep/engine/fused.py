@@ -1,5 +1,5 @@
 """The fused kernels as differentiable ops: forwards in C++ (kernels/fused.cpp), backwards from
-torch ops.
+torch ops (or a C++ pass where the torch-op version was slow: linear, SiLU*up).
 
 Outside autograd (the sampler, the trainer's `forward`) each op is one kernel call. Under
 autograd the forward is the same kernel, so the trainer's logprobs are the sampler's bit for bit;
@@ -43,9 +43,7 @@ class _SiluMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (gate_up,) = ctx.saved_tensors
-        g, u = gate_up.chunk(2, dim=-1)
-        s = 1.0 / (1.0 + torch.exp(-g))
-        return torch.cat([dy * u * s * (1.0 + g * (1.0 - s)), dy * g * s], dim=-1)
+        return K.silu_mul_backward(dy, gate_up)
 
 
 class _Rope(torch.autograd.Function):
