@@ -19,6 +19,23 @@ def qwen2_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE (4 experts, 2 per token; layer 0 dense) over the character vocabulary."""
+    from transformers import Qwen3MoeConfig
+
+    from lockstep.engine.tiny import char_vocab, save_model_dir
+
+    vocab = char_vocab()
+    cfg = Qwen3MoeConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
+                         max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         use_sliding_window=False, bos_token_id=vocab["<bos>"], eos_token_id=vocab["<eos>"],
+                         pad_token_id=vocab["<pad>"])
+    return str(save_model_dir(tmp_path_factory.mktemp("moe"), cfg, seed=2))
+
+
+@pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
     from lockstep.engine.tiny import save_model_dir, tiny_config
 

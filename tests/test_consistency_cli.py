@@ -32,6 +32,19 @@ def test_every_sampled_token_is_bitwise_equal(which, path, qwen2_dir, tmp_path):
     hf = report["hf"]  # the plain transformers path is measured on the same prompts (once per batch)
     assert hf["tokens_compared"] * 3 == report["tokens_compared"]
     assert {"tokens_bitwise_equal", "max_abs_diff", "mean_abs_diff"} <= hf.keys()
+    assert not report["moe"] and report["routing_compared"] == 0
+
+
+@pytest.mark.parametrize("path", ["fused", "eager"])
+def test_a_mixture_of_experts_samples_and_routes_exactly_as_it_trains(path, moe_dir, tmp_path):
+    """Qwen3-MoE: every sampled token's logprob, and every token's expert choice in every MoE
+    layer, equal between the sampler's decode and the trainer's forward (no routing replay)."""
+    code, report = _check("--model", moe_dir, home=tmp_path, LOCKSTEP_KERNELS=path)
+    assert code == 0 and report["moe"] and report["path"] == path
+    assert report["tokens_bitwise_equal"] == report["tokens_compared"] >= 3000
+    # 2 MoE layers x 2 experts per token x every token fed (prompt and generated)
+    assert report["routing_equal"] == report["routing_compared"] > 2 * 2 * report["tokens_compared"]
+    assert {c["lora"] for c in report["cases"]} == {False}  # LoRA on experts: refused, not run
 
 
 def test_unsupported_model_fails_cleanly(tmp_path):

@@ -69,7 +69,7 @@ def _random_dir(tmp_path_factory, arch: str) -> str:
     (no download). Every weight, norms included, is redrawn far from its init (norms at 1, tiny
     projections), so that a missing or wrong piece of the forward (Qwen3's q/k norms, an explicit
     head_dim, biases) moves the logprobs by much more than float32 rounding."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     from lockstep.engine.tiny import build_char_tokenizer, char_vocab
 
@@ -81,6 +81,12 @@ def _random_dir(tmp_path_factory, arch: str) -> str:
         "llama": lambda: LlamaConfig(**common, attention_bias=False),
         "qwen3": lambda: Qwen3Config(**common, head_dim=24, use_sliding_window=False),  # head_dim != 64 / 4
         "mistral": lambda: MistralConfig(**common, sliding_window=None),
+        # Mixtures of experts: 4 experts, 2 per token; Qwen3-MoE with a dense first layer
+        "qwen3_moe": lambda: Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=32, num_experts=4,
+                                            num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
+                                            use_sliding_window=False),
+        "mixtral": lambda: MixtralConfig(**{**common, "intermediate_size": 48}, num_local_experts=4,
+                                         num_experts_per_tok=2, sliding_window=None),
     }[arch]()
     torch.manual_seed(len(arch))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -97,10 +103,11 @@ def _random_dir(tmp_path_factory, arch: str) -> str:
 
 @pytest.fixture(scope="module")
 def arch_dirs(tmp_path_factory):
-    return {arch: _random_dir(tmp_path_factory, arch) for arch in ("qwen2", "llama", "qwen3", "mistral")}
+    return {arch: _random_dir(tmp_path_factory, arch) for arch in ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe",
+                                                                   "mixtral")}
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "mixtral"])
 def test_forward_matches_transformers_own_forward(arch, arch_dirs):
     """Each supported architecture, loaded from its directory, computes what transformers does."""
     hf, _ = load_model(arch_dirs[arch])
@@ -116,7 +123,8 @@ def test_forward_matches_transformers_own_forward(arch, arch_dirs):
 
 
 @pytest.mark.parametrize("arch, use_lora", [("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True),
-                                            ("qwen3", False), ("mistral", False)])
+                                            ("qwen3", False), ("mistral", False), ("qwen3_moe", False),
+                                            ("mixtral", False)])
 def test_forward_is_bitwise_invariant(arch, use_lora, arch_dirs):
     hf, _ = load_model(arch_dirs[arch])
     if use_lora:

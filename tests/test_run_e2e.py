@@ -101,6 +101,26 @@ def test_multi_turn_episodes_run_in_the_loop(tmp_path, builtin_dir):
     check_ledger(tmp_path / "run", 4, 4)
 
 
+def test_a_mixture_of_experts_trains_its_chosen_experts_in_the_loop(tmp_path, moe_dir):
+    """A Qwen3-MoE through SFT and async RL with model.train_experts = [1]: the run's records carry
+    each MoE layer's router load, RL stays on-policy exactly (the routing agrees), and in the final
+    model experts 0, 2 and 3 are bitwise the base model's while expert 1 trained."""
+    spec = load(None, [*TINY, f"model.path='{moe_dir}'", "model.train_experts=[1]", "rl.max_staleness=1"])
+    run(spec, tmp_path / "run")
+    recs = records(tmp_path / "run")
+    trained = [r for r in recs if "train/loss_sum" in r]
+    assert trained and all(1.0 <= r["router/l1_max_load"] <= 4.0 and "router/l2_experts_used" in r for r in trained)
+    rl = [r for r in recs if "rollout/reward_mean" in r]
+    assert len(rl) == 4 and all(r["mismatch/abs"] == 0.0 for r in rl if r.get("rollout/staleness_max") == 0)
+    base = load_file(str(Path(moe_dir) / "model.safetensors"))
+    final = load_file(str(tmp_path / "run" / "final_model" / "model.safetensors"))
+    experts = {k: int(k.split(".experts.")[1].split(".")[0]) for k in base if ".experts." in k}  # saved per expert
+    assert sorted(set(experts.values())) == [0, 1, 2, 3]
+    for k, e in experts.items():
+        assert (final[k] == base[k]).all() == (e != 1), (k, e)
+    check_ledger(tmp_path / "run", 4, 4)
+
+
 def test_math_env_grades_with_math_verify_inside_ray(tmp_path, builtin_dir):
     rows = [{"problem": f"{a}+{b}", "answer": str(a + b)} for a in range(10) for b in range(4)]
     rows.append({"problem": "no answer here"})  # counted and skipped

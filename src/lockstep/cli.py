@@ -34,6 +34,10 @@ def _cmd_check_consistency(args) -> int:
         f"transformers: {report['hf']['tokens_bitwise_equal']}/{report['hf']['tokens_compared']}, "
         f"max |Δlogp| {report['hf']['max_abs_diff']:.3g}"
     )
+    if report["moe"]:
+        ok = ok and report["routing_equal"] == report["routing_compared"]
+        console.print(f"lockstep: {report['routing_equal']}/{report['routing_compared']} expert choices equal "
+                      f"(sampler decode against trainer forward, every MoE layer)")
     if args.json:
         print(json.dumps(report))
     return 0 if ok else 1

@@ -30,9 +30,19 @@ class ModelSpec:
     lora_rank: int = 0
     """0 trains every weight; > 0 trains a LoRA adapter of this rank."""
     lora_alpha: float = 32.0
+    train_experts: tuple[int, ...] | None = None
+    """For a mixture-of-experts model: the experts that train (e.g. [0, 3]); the others' weights
+    stay bitwise unchanged. None trains every expert. Needs lora_rank 0."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "model.lora_rank", "an integer >= 0", self.lora_rank)
+        if self.train_experts is not None:
+            ok = isinstance(self.train_experts, (list, tuple)) and all(
+                isinstance(e, int) and not isinstance(e, bool) and 0 <= e < 2**16 for e in self.train_experts)
+            _require(ok and len(set(self.train_experts)) == len(self.train_experts), "model.train_experts",
+                     "a list of distinct expert indices (integers >= 0)", self.train_experts)
+            _require(self.lora_rank == 0, "model.train_experts", "lora_rank 0 (experts train fully)", self.lora_rank)
+            object.__setattr__(self, "train_experts", tuple(sorted(self.train_experts)))
 
 
 BUILTIN_ENVS = ("arithmetic", "math", "reasoning_gym")

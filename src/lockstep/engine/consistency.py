@@ -4,7 +4,9 @@ For a mixed workload (prompt lengths 1..48; batches of 1, 7 and 64; LoRA off and
 sampler decodes with a KV cache while the trainer recomputes every sampled token's logprob with its
 full-sequence forward, on a separate copy of the weights (as after a weight publish), at each pair
 of thread counts in THREADS (sampler, trainer): 1, 2 and 4 threads on either side. The summary says
-which forward ran ("fused" kernels or the "eager" pure-PyTorch path) and why. The same is measured for plain transformers (`generate` with
+which forward ran ("fused" kernels or the "eager" pure-PyTorch path) and why. For a mixture of
+experts it also compares every token's expert choices (sampler decode against trainer forward):
+`routing_equal` of `routing_compared` (LoRA-on cases are skipped: not supported there yet). The same is measured for plain transformers (`generate` with
 `output_logits` against a padded full forward) as the comparison.
 """
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lockstep.engine.model import InvariantLM
+from lockstep.engine.model import InvariantLM, RoutingLog
 from lockstep.engine.sampler import Sampler
 from lockstep.engine.trainer import Trainer
 from lockstep.engine.types import Datum, LoraSpec, SampleRequest, SamplingParams
@@ -35,6 +37,8 @@ class Tally:
     max_abs: float = 0.0
     sum_abs: float = 0.0
     cases: list = field(default_factory=list)
+    routing_compared: int = 0
+    routing_equal: int = 0
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, float]:
         diff = (a.double() - b.double()).abs()
@@ -51,6 +55,8 @@ class Tally:
             "tokens_bitwise_equal": self.equal,
             "max_abs_diff": self.max_abs,
             "mean_abs_diff": self.sum_abs / max(self.compared, 1),
+            "routing_compared": self.routing_compared,
+            "routing_equal": self.routing_equal,
         }
 
 
@@ -84,6 +90,7 @@ def _threads(n: int):
 def _invariant_case(trainer: Trainer, prompts, max_tokens: int, seed: int, threads: tuple[int, int],
                     tally: Tally) -> dict:
     sampler_model = InvariantLM(copy.deepcopy(trainer.hf_model))  # a published copy
+    sampler_model.routing = RoutingLog()
     sampler = Sampler(sampler_model, trainer.tokenizer)
     params = SamplingParams(max_tokens=max_tokens, seed=seed, stop=())
     with _threads(threads[0]):
@@ -99,7 +106,43 @@ def _invariant_case(trainer: Trainer, prompts, max_tokens: int, seed: int, threa
         out = trainer.forward(data)
     trained = [torch.from_numpy(o["logprobs"][len(p) - 1 :]) for o, p in zip(out.loss_fn_outputs, prompts)]
     n, eq, mx = tally.add(torch.cat(sampled), torch.cat(trained))
-    return {"tokens": n, "equal": eq, "max_abs_diff": mx}
+    routing = _routing_agreement(trainer, sampler_model.routing, [list(d.model_input) + [int(d.loss_fn_inputs[
+        "target_tokens"][-1])] for d in data], prompts, threads[1])
+    tally.routing_compared += routing[0]
+    tally.routing_equal += routing[1]
+    return {"tokens": n, "equal": eq, "max_abs_diff": mx, "routing_compared": routing[0], "routing_equal": routing[1]}
+
+
+def _routing_agreement(trainer: Trainer, sampled: RoutingLog, seqs, prompts, threads: int) -> tuple[int, int]:
+    """(expert choices compared, equal): every MoE layer's top-k experts for every token the
+    sampler fed (the prompt in its prefill, each new token in its decode step) against the
+    trainer's full-sequence forward of the same sequence. (0, 0) for a dense model.
+
+    The sampler's rows here are the prompts in order, none finishes early (no stops), so decode
+    call s holds each row's token at position len(prompt) + s - 1."""
+    if not sampled.calls or not sampled.calls[0]:
+        return 0, 0
+    trained = RoutingLog()
+    trainer.model.routing = trained
+    try:
+        tokens = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+        for i, q in enumerate(seqs):
+            tokens[i, : len(q)] = torch.tensor(q)
+        with torch.no_grad(), _threads(threads):
+            trainer.model.hidden_states(tokens)
+    finally:
+        trainer.model.routing = None
+    full = trained.calls[0]
+    compared = equal = 0
+    for layer, train_BTK in full.items():
+        for i, p in enumerate(prompts):
+            fed = [sampled.calls[0][layer][i, : len(p)]]  # the prefill
+            fed += [call[layer][i, 0:1] for call in sampled.calls[1:]]  # one token per decode step
+            mine = torch.cat(fed)
+            other = train_BTK[i, : len(mine)]
+            compared += mine.numel()
+            equal += int((mine == other).sum())
+    return compared, equal
 
 
 def _hf_case(hf_model, prompts, max_tokens: int, seed: int, pad_id: int, tally: Tally) -> dict:
@@ -136,11 +179,18 @@ def _hf_case(hf_model, prompts, max_tokens: int, seed: int, pad_id: int, tally: 
     return {"tokens": n, "equal": eq, "max_abs_diff": mx}
 
 
+def is_moe(model_dir: str) -> bool:
+    from lockstep.engine.loading import read_config
+
+    return read_config(model_dir).get("model_type") in ("qwen3_moe", "mixtral")
+
+
 def run(model_dir: str, *, seed: int = 0, max_tokens: int = 16, lora_rank: int = 8) -> dict:
     """Run the workload; return the summary dict (see module docstring)."""
     rng = random.Random(seed)
     ours, hf = Tally(), Tally()
-    for lora_on in (False, True):
+    moe = is_moe(model_dir)
+    for lora_on in (False,) if moe else (False, True):  # (LoRA on a mixture of experts: not supported)
         trainer = Trainer.from_pretrained(model_dir, lora=LoraSpec(rank=lora_rank, seed=seed) if lora_on else None)
         if lora_on:
             _perturb_lora(trainer, seed)
@@ -155,5 +205,5 @@ def run(model_dir: str, *, seed: int = 0, max_tokens: int = 16, lora_rank: int =
             hf.cases.append({**case, **_hf_case(plain, prompts, max_tokens, seed + bs, pad, hf)})
     from lockstep.engine.invariant import MKL_MODE
 
-    return {**ours.summary(), "path": trainer.model.path, "path_reason": trainer.model.path_reason,
+    return {**ours.summary(), "moe": moe, "path": trainer.model.path, "path_reason": trainer.model.path_reason,
             "mkl_mode": MKL_MODE, "cases": ours.cases, "hf": {**hf.summary(), "cases": hf.cases}}

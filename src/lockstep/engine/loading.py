@@ -18,6 +18,8 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM (per-head q/k RMSNorm)",
     "mistral": "MistralForCausalLM (without sliding window)",
+    "qwen3_moe": "Qwen3MoeForCausalLM (mixture of experts, per-head q/k RMSNorm)",
+    "mixtral": "MixtralForCausalLM (mixture of experts, without sliding window)",
 }
 
 
@@ -52,7 +54,7 @@ def check_supported(config: dict) -> None:
     rope = config.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type")) == "dynamic":
         raise EngineError("dynamic RoPE scaling changes with length and cannot be batch-invariant")
-    if config.get("use_sliding_window") or (model_type == "mistral" and config.get("sliding_window")):
+    if config.get("use_sliding_window") or (model_type in ("mistral", "mixtral") and config.get("sliding_window")):
         raise EngineError("sliding-window attention is not supported; set sliding_window to null")
 
 

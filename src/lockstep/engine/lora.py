@@ -21,6 +21,11 @@ def attach(hf_model, spec: LoraSpec):
     trainer's forward is the sampler's)."""
     from peft import LoraConfig, get_peft_model
 
+    if any(name.endswith(".experts") for name, _ in hf_model.named_modules()):
+        # peft wraps a mixture's fused expert weights in a ParamWrapper whatever the targets say
+        # (and then leaves the dense MLPs alone), which the invariant forward does not read.
+        raise EngineError("LoRA on a mixture-of-experts model is not supported yet; train it fully (lora_rank 0), "
+                          "choosing which experts train with model.train_experts")
     present = {name.rsplit(".", 1)[-1] for name, _ in hf_model.named_modules()}
     missing = [m for m in spec.target_modules if m not in present]
     if missing:

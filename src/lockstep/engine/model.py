@@ -121,6 +121,10 @@ class InvariantLM:
         self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         self._rope_table = (torch.empty(0, self.head_dim), torch.empty(0, self.head_dim))
         self._fused_cache: dict[tuple, tuple] = {}
+        self._router_counts: dict[int, torch.Tensor] = {}
+        """Tokens (x top-k slots) each expert took, per MoE layer, since reset_router_counts()."""
+        self.routing: RoutingLog | None = None
+        """Set to a RoutingLog to record every MoE layer's expert choices (tests, consistency)."""
         self.path, self.path_reason = _choose_path(self)
         """"fused" (the C++ kernels, engine/fused.py) or "eager" (pure PyTorch), and why."""
 
@@ -140,7 +144,8 @@ class InvariantLM:
     def _fused_groups(self):
         for i, layer in enumerate(self.inner.layers):
             yield f"attn{i}", (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
-            yield f"mlp{i}", (layer.mlp.gate_proj, layer.mlp.up_proj)
+            if not _is_moe(layer.mlp):
+                yield f"mlp{i}", (layer.mlp.gate_proj, layer.mlp.up_proj)
 
     def _refresh_fused(self) -> None:
         """Outside autograd, (re)build the fused weights once per forward if any base weight moved.
@@ -190,6 +195,8 @@ class InvariantLM:
         if cache is None:
             assert positions_BT is None, "without a cache, sequences start at position 0"
             positions_BT = torch.arange(T).expand(B, T)
+        if self.routing is not None:
+            self.routing.start_call()
         if self.path == "fused":
             return self._hidden_fused(tokens_BT, positions_BT, cache)
         max_position = int(positions_BT.max())  # one sync per forward, shared by rope and the mask
@@ -221,7 +228,10 @@ class InvariantLM:
         for i, lp in enumerate(plan):
             a = self._attention_fused(i, lp, h, positions_BT, cos, sin, cache)
             x, h = fused.add_rms_norm(x, a, lp.post_norm["weight"], self.eps)
-            m = apply_linear(lp.down, fused.silu_mul(apply_fused(lp.mlp, self.fused(f"mlp{i}", lp.mlp), h)))
+            if lp.moe is not None:
+                m = self._moe(i, lp.moe, h, fused.silu_mul)
+            else:
+                m = apply_linear(lp.down, fused.silu_mul(apply_fused(lp.mlp, self.fused(f"mlp{i}", lp.mlp), h)))
             norm = plan[i + 1].in_norm if i + 1 < len(plan) else self.inner.norm._parameters
             x, h = fused.add_rms_norm(x, m, norm["weight"], self.eps)
         return h
@@ -253,6 +263,51 @@ class InvariantLM:
         out = fused.attention(q, keys, values, positions_BT, self.scale)
         return apply_linear(lp.o_proj, out.reshape(B, T, Hq * D))
 
+    def _moe(self, i: int, block, h: torch.Tensor, silu_mul) -> torch.Tensor:
+        """A sparse mixture-of-experts block (Qwen3-MoE, Mixtral) from invariant pieces.
+
+        The router's logits come from a row-invariant product and its softmax and top-k are
+        row-wise, so a token picks the same experts in a decode step and in a training forward:
+        no routing replay is needed. Each expert runs on the rows routed to it (a row's result
+        does not depend on which others share the expert's batch), and a token's expert outputs
+        are summed in the order of its top-k slots, whatever the experts' order.
+        """
+        B, T, H = h.shape
+        x = h.reshape(B * T, H)
+        gate, experts = block.gate, block.experts
+        k = gate.top_k
+        probs = torch.exp(inv.log_softmax(inv.linear(x, gate.weight)))
+        weights, chosen = torch.topk(probs, k, dim=-1)
+        if getattr(gate, "norm_topk_prob", True):  # Mixtral always normalises; Qwen3-MoE by config
+            weights = weights / weights.sum(-1, keepdim=True)
+        if self.routing is not None:
+            self.routing.record(i, chosen.detach().view(B, T, k))
+        counts = torch.bincount(chosen.detach().flatten(), minlength=probs.shape[-1])
+        self._router_counts[i] = self._router_counts[i] + counts if i in self._router_counts else counts
+        out_NKH = x.new_zeros(B * T, k, H)
+        for e in torch.unique(chosen).tolist():  # ascending: a fixed order, though nothing depends on it
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            act = silu_mul(inv.linear(x.index_select(0, token), experts.gate_up_proj[e]))
+            out_NKH = out_NKH.index_put((token, slot), inv.linear(act, experts.down_proj[e]))
+        y = out_NKH[:, 0] * weights[:, :1]
+        for j in range(1, k):
+            y = y + out_NKH[:, j] * weights[:, j : j + 1]
+        return y.view(B, T, H)
+
+    def reset_router_counts(self) -> None:
+        self._router_counts = {}
+
+    def router_metrics(self) -> dict[str, float]:
+        """Load balance of each MoE layer's router since reset_router_counts() (padding rows included):
+        `router/l<i>_max_load:max` is the busiest expert's share over a perfectly even share (1.0 =
+        balanced), `router/l<i>_experts_used:max` how many experts took any token."""
+        out = {}
+        for i, counts in sorted(self._router_counts.items()):
+            even = counts.sum().item() / counts.numel()
+            out[f"router/l{i}_max_load:max"] = counts.max().item() / even if even else 0.0
+            out[f"router/l{i}_experts_used:max"] = float((counts > 0).sum().item())
+        return out
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return apply_linear(self.lm_head, hidden)
 
@@ -268,6 +323,8 @@ class InvariantLM:
         return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
     def _mlp(self, i: int, mlp, h: torch.Tensor) -> torch.Tensor:
+        if _is_moe(mlp):
+            return self._moe(i, mlp, h, _eager_silu_mul)
         mods = (mlp.gate_proj, mlp.up_proj)
         gate, up = apply_fused(mods, self.fused(f"mlp{i}", mods), h).chunk(2, dim=-1)
         return apply_linear(mlp.down_proj, inv.silu(gate) * up)
@@ -305,15 +362,46 @@ class _LayerPlan:
     attn: tuple  # q, k, v projections
     o_proj: object
     qk_norms: tuple | None  # Qwen3's per-head q and k norms
-    mlp: tuple  # gate, up projections
+    mlp: tuple | None  # gate, up projections (a dense MLP)
     down: object
+    moe: object | None  # the sparse MoE block instead
 
     @staticmethod
     def of(layer) -> "_LayerPlan":
         a, m = layer.self_attn, layer.mlp
         norms = (a.q_norm._parameters, a.k_norm._parameters) if hasattr(a, "q_norm") else None
-        return _LayerPlan(layer.input_layernorm._parameters, layer.post_attention_layernorm._parameters,
-                          (a.q_proj, a.k_proj, a.v_proj), a.o_proj, norms, (m.gate_proj, m.up_proj), m.down_proj)
+        head = (layer.input_layernorm._parameters, layer.post_attention_layernorm._parameters,
+                (a.q_proj, a.k_proj, a.v_proj), a.o_proj, norms)
+        if _is_moe(m):
+            return _LayerPlan(*head, None, None, m)
+        return _LayerPlan(*head, (m.gate_proj, m.up_proj), m.down_proj, None)
+
+
+def _is_moe(mlp) -> bool:
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
+
+
+def _eager_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return inv.silu(gate) * up
+
+
+class RoutingLog:
+    """The experts each token was routed to, per MoE layer, over the forwards while it is set
+    (`InvariantLM.routing`): (B, T, k) tensors per call, in call order."""
+
+    def __init__(self):
+        self.calls: list[dict[int, torch.Tensor]] = []
+        self._open: dict[int, torch.Tensor] | None = None
+
+    def start_call(self) -> None:
+        self._open = {}
+        self.calls.append(self._open)
+
+    def record(self, layer: int, chosen_BTK: torch.Tensor) -> None:
+        if self._open is None:
+            self.start_call()
+        self._open[layer] = chosen_BTK.clone()
 
 
 def _choose_path(model: "InvariantLM") -> tuple[str, str]:

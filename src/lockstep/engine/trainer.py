@@ -27,7 +27,8 @@ from lockstep.losses import LossInputs, compute_loss
 class Trainer:
     """Owns a model's trainable parameters, its AdamW state, and the step counter."""
 
-    def __init__(self, hf_model, tokenizer, *, base_model: str, lora: LoraSpec | None = None):
+    def __init__(self, hf_model, tokenizer, *, base_model: str, lora: LoraSpec | None = None,
+                 train_experts: Sequence[int] | None = None):
         self.base_model = str(base_model)
         self.lora = lora
         self.tokenizer = tokenizer
@@ -35,6 +36,8 @@ class Trainer:
         self.model = InvariantLM(self.hf_model)
         self.vocab_size = self.model.config.vocab_size
         self.params = dict(sorted((n, p) for n, p in self.hf_model.named_parameters() if p.requires_grad))
+        self.frozen_experts = _frozen_expert_rows(self.hf_model, train_experts)
+        """(parameter, indices of its frozen experts) for each expert weight, if experts are chosen."""
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=1e-4, foreach=False)
         self.step = 0
         self.data_position: dict | int | None = None
@@ -42,9 +45,10 @@ class Trainer:
         """Run a shared prompt's forward once per group (same logprobs, fewer rows)."""
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, *, lora: LoraSpec | None = None) -> "Trainer":
+    def from_pretrained(cls, model_dir: str | Path, *, lora: LoraSpec | None = None,
+                        train_experts: Sequence[int] | None = None) -> "Trainer":
         hf_model, tokenizer = load_model(model_dir)
-        return cls(hf_model, tokenizer, base_model=str(model_dir), lora=lora)
+        return cls(hf_model, tokenizer, base_model=str(model_dir), lora=lora, train_experts=train_experts)
 
     @classmethod
     def from_state(cls, path: str | Path, *, optimizer: bool = True) -> "Trainer":
@@ -64,6 +68,7 @@ class Trainer:
         bits, fewer rows."""
         inputs = [tuple(d.model_input) for d in data]
         plan = plan_prefixes(inputs) if self.share_prefixes else None
+        self.model.reset_router_counts()
         if plan is None:
             lp_BT, entropy_BT = self.model.logprobs_and_entropy(self.model.hidden_states(batch.tokens_BT), batch.targets_BT)
             lp_T, entropy_T = lp_BT[batch.valid_BT], entropy_BT[batch.valid_BT]
@@ -75,6 +80,7 @@ class Trainer:
         if "weights" in batch.floats:
             entropy_T = entropy_T[batch.floats["weights"] > 0]
         metrics = {"entropy:mean": float(entropy_T.mean())} if entropy_T.numel() else {}
+        metrics.update(self.model.router_metrics())
         return lp_T, metrics
 
     def _loss(self, batch: Batch, lp_T: torch.Tensor, loss_fn: str, config: Mapping[str, float]):
@@ -130,6 +136,10 @@ class Trainer:
     def optim_step(self, adam: AdamParams = AdamParams()) -> dict[str, float]:
         """One AdamW step with these hyperparameters on the accumulated gradients, then zero them."""
         params = list(self.params.values())
+        for p, frozen in self.frozen_experts:  # no gradient, so no norm, clipping or Adam moment
+            if p.grad is not None:
+                p.grad[frozen] = 0.0
+        kept = [(p, p.detach()[frozen].clone()) for p, frozen in self.frozen_experts]  # weight decay moves them
         grads = [p.grad for p in params if p.grad is not None]
         norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
         if not math.isfinite(norm):
@@ -141,6 +151,9 @@ class Trainer:
             group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
                          weight_decay=adam.weight_decay)
         self.optimizer.step()
+        with torch.no_grad():
+            for (p, frozen), (_, rows) in zip(self.frozen_experts, kept):
+                p[frozen] = rows
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate, "step:max": float(self.step)}
@@ -166,3 +179,22 @@ class Trainer:
     def weights_numpy(self) -> dict[str, np.ndarray]:
         """A copy of the trainable weights as NumPy arrays (for publishing and tests)."""
         return {n: p.detach().numpy().copy() for n, p in self.params.items()}
+
+
+def _frozen_expert_rows(hf_model, train_experts: Sequence[int] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For `train_experts`, each expert weight (E, ...) with the indices of the experts that do not
+    train; [] when every expert trains."""
+    if train_experts is None:
+        return []
+    blocks = [m for name, m in hf_model.named_modules() if name.endswith(".experts")]
+    if not blocks:
+        raise EngineError("model.train_experts needs a mixture-of-experts model (Qwen3-MoE, Mixtral); this one has "
+                          "no experts")
+    num = blocks[0].gate_up_proj.shape[0]
+    bad = [e for e in train_experts if not 0 <= e < num]
+    if bad:
+        raise EngineError(f"model.train_experts {bad} out of range: the model has {num} experts per layer (0..{num - 1})")
+    frozen = torch.tensor([e for e in range(num) if e not in set(train_experts)], dtype=torch.long)
+    if not frozen.numel():
+        return []
+    return [(p, frozen) for b in blocks for p in (b.gate_up_proj, b.down_proj) if p.requires_grad]

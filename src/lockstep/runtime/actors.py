@@ -35,12 +35,12 @@ def _reconstructed() -> bool:
     return ray.get_runtime_context().was_current_actor_reconstructed
 
 
-def _load(model_path: str, lora_rank: int, lora_alpha: float):
+def _load(model_path: str, lora_rank: int, lora_alpha: float, train_experts=None):
     from lockstep.engine.trainer import Trainer
     from lockstep.engine.types import LoraSpec
 
     lora = LoraSpec(rank=lora_rank, alpha=lora_alpha) if lora_rank > 0 else None
-    return Trainer.from_pretrained(model_path, lora=lora)
+    return Trainer.from_pretrained(model_path, lora=lora, train_experts=train_experts)
 
 
 def _mismatch(data, outputs, sampled_from) -> dict:
@@ -67,9 +67,9 @@ class TrainerActor:
     """Owns the trainable weights and the optimizer; publishes weights with integer versions
     (the version is the optimizer step, so it survives a checkpoint round trip)."""
 
-    def __init__(self, model_path: str, lora_rank: int, lora_alpha: float, threads: int):
+    def __init__(self, model_path: str, lora_rank: int, lora_alpha: float, threads: int, train_experts=None):
         _set_threads(threads)
-        self.trainer = _load(model_path, lora_rank, lora_alpha)
+        self.trainer = _load(model_path, lora_rank, lora_alpha, train_experts)
         self.busy_s = 0.0
         self.incarnation = uuid.uuid4().hex
         self.state_lost = _reconstructed()

@@ -42,6 +42,11 @@ def accuracy_collapse(evals: list[dict]) -> dict | None:
     return None
 
 
+
+def router_record(metrics: dict) -> dict:
+    """A mixture of experts' router load per MoE layer (router/l<i>_max_load, _experts_used)."""
+    return {k.split(":")[0]: v for k, v in metrics.items() if k.startswith("router/")}
+
 class Run(RunDirectory):
     """A run's stages, on its components, recorded in its run directory."""
 
@@ -156,7 +161,8 @@ class Run(RunDirectory):
             self.pos["stage_step"] = k + 1
             self.metrics.log(self.pos["global_step"], {"stage": index, "train/loss_sum": metrics["loss:sum"],
                                                        "train/grad_norm": metrics["grad_norm:mean"],
-                                                       "train/entropy": metrics.get("entropy:mean")})
+                                                       "train/entropy": metrics.get("entropy:mean"),
+                                                       **router_record(metrics)})
             self.progress(self.pos["global_step"], f"sft {k + 1}/{stage.steps}", acc)
             if (k + 1) % stage.eval_every == 0 or k + 1 == stage.steps:
                 self.c.publish()
@@ -186,6 +192,7 @@ class Run(RunDirectory):
                        if k.split(":")[0] in ("importance_ratio", "clip_fraction")})
         record.update({f"mismatch/{k.split(':')[0].removeprefix('mismatch_')}": v for k, v in metrics.items()
                        if k.startswith("mismatch_")})
+        record.update(router_record(metrics))
         return record
 
     def rl(self, stage: StageSpec, index: int) -> float:
