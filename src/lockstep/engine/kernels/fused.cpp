@@ -18,9 +18,10 @@
 // CNR mode) can change a bit. A row's tile always has a multiple of ROW_TILE rows (MKL's kernel
 // for a single row differs), and a column always falls in the same tile of the same width.
 //
-// The backward passes of rms_norm, rope, silu_mul and attention are composed from torch ops in
-// engine/fused.py (gradients are not compared bit for bit with anything); the linear layers'
-// backward uses gemm too, so a training step is reproducible from one process to the next.
+// The backward passes of rms_norm, rope, log_softmax and attention are composed from torch ops in
+// engine/fused.py (gradients are not compared bit for bit with anything); silu_mul's is a pass
+// here, and the linear layers' backward uses gemm too, so a training step is reproducible from
+// one process to the next.
 
 #include <torch/extension.h>
 
