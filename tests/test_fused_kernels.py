@@ -145,3 +145,21 @@ def test_a_failed_build_says_what_to_do_and_exits_nonzero(tmp_path):
                        env={**os.environ, "LOCKSTEP_KERNELS_DIR": str(tmp_path), "CXX": "/nonexistent/g++"})
     assert r.returncode == 1
     assert "could not be built" in r.stderr and "Install g++ and re-run" in r.stderr
+
+
+def test_keys_a_query_does_not_see_never_reach_its_gradient_even_when_they_score_high():
+    """Query 0 does not see key 1 (its future); key 1 scoring far above query 0's visible key
+    (its exp overflows) leaves every gradient finite and query 0's unchanged (the backward once
+    took the exp before masking: inf * 0 = NaN, and training diverged within a few hundred steps)."""
+    q = rand(1, 2, 2, 8)
+    keys, values = rand(1, 1, 32, 8, seed=1), rand(1, 1, 32, 8, seed=2)
+    positions = torch.tensor([[0, 1]])
+    loud = keys.clone()
+    loud[0, 0, 1] = q[0, 0, 0] * 1e3  # query 0's score for key 1: ~1e3 * |q|^2
+    grads = []
+    for k in (keys, loud):
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, values))
+        fused.attention(qq, kk, vv, positions, 0.5).sum().backward()
+        assert all(torch.isfinite(g).all() for g in (qq.grad, kk.grad, vv.grad))
+        grads.append(qq.grad[:, 0])
+    assert torch.equal(grads[0], grads[1])

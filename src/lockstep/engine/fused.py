@@ -79,8 +79,11 @@ class _Attention(torch.autograd.Function):
 
         k, v = keys[:, :, :n], values[:, :, :n, :D]
         q_r, do_r, o_r = rows(q), rows(d_out), rows(out)
-        visible = torch.arange(n).view(1, 1, 1, n) <= rows(positions.view(B, T, 1).expand(B, T, Hq)).unsqueeze(-1)
-        p = torch.exp(torch.matmul(q_r, k.transpose(-1, -2)) * ctx.scale - rows(lse).unsqueeze(-1)) * visible
+        hidden = torch.arange(n).view(1, 1, 1, n) > rows(positions.view(B, T, 1).expand(B, T, Hq)).unsqueeze(-1)
+        # Masked before the exp: a key the query does not see may score far above its log-sum-exp
+        # (exp -> inf, and inf * 0 is NaN).
+        s = (torch.matmul(q_r, k.transpose(-1, -2)) * ctx.scale - rows(lse).unsqueeze(-1)).masked_fill_(hidden, -torch.inf)
+        p = torch.exp(s)
         dv = torch.matmul(p.transpose(-1, -2), do_r)
         dp = torch.matmul(do_r, v.transpose(-1, -2))
         ds = p * (dp - (do_r * o_r).sum(-1, keepdim=True)) * ctx.scale
