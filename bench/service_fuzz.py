@@ -27,7 +27,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import emit  # noqa: E402
-from service_fuzzing import Fuzzer, make_objects  # noqa: E402
+from service_fuzzing import Fuzzer, make_objects, normal_session  # noqa: E402
 
 HANG_S = 60.0
 """Over the server's 25 s long-poll of a pending future, under the SDK's own 45 s + margin."""
@@ -57,22 +57,6 @@ def start_server(home: Path) -> tuple[subprocess.Popen, str, dict]:
             pass
         time.sleep(0.2)
     raise RuntimeError(f"lockstep serve did not come up; see {home / 'serve.log'}")
-
-
-def normal_session(url: str, key: str) -> list[float]:
-    import tinker
-    from tinker import types
-
-    tc = tinker.ServiceClient(base_url=url, api_key=key).create_lora_training_client(
-        base_model="lockstep/tiny", rank=4, seed=0).result(timeout=300)
-    datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
-                        loss_fn_inputs={"target_tokens": types.TensorData(data=[6, 7, 8], dtype="int64", shape=[3])})
-    losses = []
-    for _ in range(3):
-        fb = tc.forward_backward([datum], "cross_entropy")
-        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=300)
-        losses.append(fb.result(timeout=300).metrics["loss:sum"])
-    return losses
 
 
 def main() -> None:

@@ -145,16 +145,10 @@ class Fuzzer:
             headers = self._key(data.draw)
             sent = (case.method, case.formatted_path, case.query, str(case.body)[:300])
             try:
-                response = case.call(base_url=self.url, session=self.http, headers=headers, timeout=self.timeout_s)
+                self._send(sent, lambda: case.call(base_url=self.url, session=self.http, headers=headers,
+                                                   timeout=self.timeout_s), fail_fast)
             except UnicodeEncodeError:  # a lone surrogate in the URL: no client can send it
                 reject()
-            except requests.RequestException as e:
-                response, error = None, e
-            else:
-                error = None
-            self.tally.record(sent, response, error)
-            if fail_fast:
-                assert response is not None and response.status_code < 500, (sent, error or response.text[:300])
 
         self._timed(one)
         return self.tally
@@ -169,19 +163,22 @@ class Fuzzer:
         def one(body, data):
             headers = {**self._key(data.draw), "Content-Type": "application/x-protobuf"}
             sent = ("POST", "/api/v1/forward_backward", None, body[:300])
-            try:
-                response = self.http.post(f"{self.url}/api/v1/forward_backward", data=body, headers=headers,
-                                          timeout=self.timeout_s)
-            except requests.RequestException as e:
-                response, error = None, e
-            else:
-                error = None
-            self.tally.record(sent, response, error)
-            if fail_fast:
-                assert response is not None and response.status_code < 500, (sent, error or response.text[:300])
+            self._send(sent, lambda: self.http.post(f"{self.url}/api/v1/forward_backward", data=body, headers=headers,
+                                                    timeout=self.timeout_s), fail_fast)
 
         self._timed(one)
         return self.tally
+
+    def _send(self, sent: tuple, call, fail_fast: bool) -> None:
+        """Make one request, record its answer (or the connection error) in the tally; with
+        fail_fast, a 5xx or no answer fails the case (hypothesis then shrinks it)."""
+        try:
+            response, error = call(), None
+        except requests.RequestException as e:
+            response, error = None, e
+        self.tally.record(sent, response, error)
+        if fail_fast:
+            assert response is not None and response.status_code < 500, (sent, error or response.text[:300])
 
     def _timed(self, run) -> None:
         start = time.perf_counter()
@@ -357,3 +354,21 @@ def _vocab(url: str, key: str, model_id: str) -> int:
     info = requests.post(f"{url}/api/v1/get_info", json={"model_id": model_id}, headers={"X-API-Key": key}, timeout=30)
     info.raise_for_status()
     return int(json.loads((Path(info.json()["model_data"]["tokenizer_id"]) / "config.json").read_text())["vocab_size"])
+
+
+def normal_session(url: str, key: str, timeout: float = 300) -> list[float]:
+    """The official SDK's plain training loop (3 steps of one datum): its losses, which fall on a
+    server that still serves normally."""
+    import tinker
+    from tinker import types
+
+    tc = tinker.ServiceClient(base_url=url, api_key=key).create_lora_training_client(
+        base_model="lockstep/tiny", rank=4, seed=0).result(timeout=timeout)
+    datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                        loss_fn_inputs={"target_tokens": types.TensorData(data=[6, 7, 8], dtype="int64", shape=[3])})
+    losses = []
+    for _ in range(3):
+        fb = tc.forward_backward([datum], "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=timeout)
+        losses.append(fb.result(timeout=timeout).metrics["loss:sum"])
+    return losses

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from lockstep.engine import fused, kernels
+from lockstep.engine import fused
 from lockstep.engine import invariant as inv
 
 assert fused.K is not None, "the fused kernels are not built: run scripts/setup.sh (or python -m lockstep.engine.kernels)"

@@ -5,11 +5,9 @@ answer is a 5xx, none hangs, and afterwards the server still serves the SDK's no
 bench/service_fuzz.py runs the long version against a live `lockstep serve`."""
 
 import pytest
-import tinker
-from tinker import types
 
 from lockstep.service.tenants import create_tenant
-from service_fuzzing import Fuzzer, in_process_service, make_objects
+from service_fuzzing import Fuzzer, in_process_service, make_objects, normal_session
 from test_service_backends import postgres_url  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -42,13 +40,5 @@ def test_no_protobuf_body_is_a_5xx_or_a_hang(fuzzer):
 
 
 def test_the_server_still_serves_a_normal_session_afterwards(fuzzer):
-    sc = tinker.ServiceClient(base_url=fuzzer.url, api_key=fuzzer.keys["a"])
-    tc = sc.create_lora_training_client(base_model="lockstep/tiny", rank=4, seed=0).result(timeout=120)
-    datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
-                        loss_fn_inputs={"target_tokens": types.TensorData(data=[6, 7, 8], dtype="int64", shape=[3])})
-    losses = []
-    for _ in range(3):
-        fb = tc.forward_backward([datum], "cross_entropy")
-        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=120)
-        losses.append(fb.result(timeout=120).metrics["loss:sum"])
+    losses = normal_session(fuzzer.url, fuzzer.keys["a"], timeout=120)
     assert losses[-1] < losses[0], losses

@@ -12,6 +12,7 @@ experts it also compares every token's expert choices (sampler decode against tr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 from dataclasses import dataclass, field
@@ -74,17 +75,15 @@ def _perturb_lora(trainer: Trainer, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
 
 
+@contextlib.contextmanager
 def _threads(n: int):
     """Run with n torch threads, then restore the count."""
-    class _Scope:
-        def __enter__(self):
-            self.before = torch.get_num_threads()
-            torch.set_num_threads(n)
-
-        def __exit__(self, *exc):
-            torch.set_num_threads(self.before)
-
-    return _Scope()
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _invariant_case(trainer: Trainer, prompts, max_tokens: int, seed: int, threads: tuple[int, int],

@@ -143,20 +143,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*lead, weight.shape[0])
 
 
-def _load_fixed_plan():
+def _fused_ops():
+    """(linear, log_softmax) of the fused kernels, or (None, None) when they are not built."""
     from lockstep.engine import kernels
 
     if kernels.load() is None:
-        return None
-    from lockstep.engine.fused import linear as fixed
+        return None, None
+    from lockstep.engine import fused
 
-    return fixed
+    return fused.linear, fused.log_softmax
 
 
-_fixed_plan_linear = _load_fixed_plan()
-_fused_log_softmax = None
-if _fixed_plan_linear is not None:
-    from lockstep.engine.fused import log_softmax as _fused_log_softmax  # noqa: E402
+_fixed_plan_linear, _fused_log_softmax = _fused_ops()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -121,8 +121,14 @@ class InvariantLM:
         self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         self._rope_table = (torch.empty(0, self.head_dim), torch.empty(0, self.head_dim))
         self._fused_cache: dict[tuple, tuple] = {}
-        self._router_counts: dict[int, torch.Tensor] = {}
-        """Tokens (x top-k slots) each expert took, per MoE layer, since reset_router_counts()."""
+        self._fused_bases = [_base(m)._parameters for _, mods in self._fused_groups() for m in mods]
+        """The fused projections' parameter dicts (the modules never change; their parameters may)."""
+        self._plan = [_LayerPlan.of(layer) for layer in self.inner.layers]
+        """Each layer's modules, looked up once: nn.Module attribute access costs ~1 us, some 300
+        times per decode step otherwise."""
+        self._router_counts: dict[int, torch.Tensor] | None = None
+        """Tokens (x top-k slots) each expert took, per MoE layer, since reset_router_counts(); None
+        (not counted) until a trainer asks."""
         self.routing: RoutingLog | None = None
         """Set to a RoutingLog to record every MoE layer's expert choices (tests, consistency)."""
         self.path, self.path_reason = _choose_path(self)
@@ -154,8 +160,6 @@ class InvariantLM:
         data pointer on every `.data` swap (the generator's zero-copy hot-swap), so a stale fused
         copy is impossible without anyone having to invalidate it by hand.
         """
-        if not hasattr(self, "_fused_bases"):  # the modules never change; their parameters may
-            self._fused_bases = [_base(m)._parameters for _, mods in self._fused_groups() for m in mods]
         params = [p for ps in self._fused_bases for p in (ps["weight"], ps.get("bias")) if p is not None]
         stamp = tuple((id(p), p._version, p.data_ptr()) for p in params)
         if self._fused_cache.get("__stamp__") != stamp:
@@ -222,7 +226,7 @@ class InvariantLM:
         cos, sin = inv.rope_tables(cos, sin)
         if not torch.is_grad_enabled():
             self._refresh_fused()
-        plan = self._layer_plan()
+        plan = self._plan
         x = F.embedding(tokens_BT, self.inner.embed_tokens.weight)
         h = fused.rms_norm(x, plan[0].in_norm["weight"], self.eps)
         for i, lp in enumerate(plan):
@@ -235,13 +239,6 @@ class InvariantLM:
             norm = plan[i + 1].in_norm if i + 1 < len(plan) else self.inner.norm._parameters
             x, h = fused.add_rms_norm(x, m, norm["weight"], self.eps)
         return h
-
-    def _layer_plan(self) -> list["_LayerPlan"]:
-        """Each layer's modules and parameter dicts, looked up once (nn.Module attribute access
-        costs ~1 us, some 300 times per decode step otherwise)."""
-        if not hasattr(self, "_plan"):
-            self._plan = [_LayerPlan.of(layer) for layer in self.inner.layers]
-        return self._plan
 
     def _attention_fused(self, i: int, lp: "_LayerPlan", h, positions_BT, cos, sin, cache: KVCache | None) -> torch.Tensor:
         from lockstep.engine import fused
@@ -282,8 +279,9 @@ class InvariantLM:
             weights = weights / weights.sum(-1, keepdim=True)
         if self.routing is not None:
             self.routing.record(i, chosen.detach().view(B, T, k))
-        counts = torch.bincount(chosen.detach().flatten(), minlength=probs.shape[-1])
-        self._router_counts[i] = self._router_counts[i] + counts if i in self._router_counts else counts
+        if self._router_counts is not None:
+            counts = torch.bincount(chosen.detach().flatten(), minlength=probs.shape[-1])
+            self._router_counts[i] = self._router_counts[i] + counts if i in self._router_counts else counts
         out_NKH = x.new_zeros(B * T, k, H)
         for e in torch.unique(chosen).tolist():  # ascending: a fixed order, though nothing depends on it
             token, slot = (chosen == e).nonzero(as_tuple=True)
@@ -295,6 +293,7 @@ class InvariantLM:
         return y.view(B, T, H)
 
     def reset_router_counts(self) -> None:
+        """Count the experts' tokens from zero (the sampler never asks, so never counts)."""
         self._router_counts = {}
 
     def router_metrics(self) -> dict[str, float]:
@@ -302,7 +301,7 @@ class InvariantLM:
         `router/l<i>_max_load:max` is the busiest expert's share over a perfectly even share (1.0 =
         balanced), `router/l<i>_experts_used:max` how many experts took any token."""
         out = {}
-        for i, counts in sorted(self._router_counts.items()):
+        for i, counts in sorted((self._router_counts or {}).items()):
             even = counts.sum().item() / counts.numel()
             out[f"router/l{i}_max_load:max"] = counts.max().item() / even if even else 0.0
             out[f"router/l{i}_experts_used:max"] = float((counts > 0).sum().item())

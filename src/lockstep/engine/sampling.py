@@ -105,14 +105,23 @@ def _shaped_logp(logits: torch.Tensor, p: RowParams) -> torch.Tensor:
     return log_softmax(scaled)
 
 
-def _draw(logp: torch.Tensor, seeds: torch.Tensor, step: int) -> torch.Tensor:
-    """Inverse-CDF draw per row at its counter-RNG uniform (one kernel call when built)."""
+def _fused_sample_rows():
     from lockstep.engine import kernels
 
-    if kernels.load() is not None:
-        from lockstep.engine.fused import sample_rows
+    if kernels.load() is None:
+        return None
+    from lockstep.engine.fused import sample_rows
 
-        return sample_rows(logp, seeds, step)
+    return sample_rows
+
+
+_sample_rows = _fused_sample_rows()
+
+
+def _draw(logp: torch.Tensor, seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """Inverse-CDF draw per row at its counter-RNG uniform (one kernel call when built)."""
+    if _sample_rows is not None:
+        return _sample_rows(logp, seeds, step)
     cdf = torch.cumsum(torch.exp(logp.double()), dim=-1)
     u = uniform(seeds, step) * cdf[:, -1]
     return torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1).clamp_(max=logp.shape[-1] - 1)

@@ -110,7 +110,3 @@ def load() -> ModuleType | None:
                       RuntimeWarning, stacklevel=2)
     return _loaded
 
-
-def path_name() -> str:
-    """"fused" or "eager": the forward this process runs."""
-    return "fused" if load() is not None else "eager"

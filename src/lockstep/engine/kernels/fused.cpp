@@ -36,16 +36,21 @@ namespace {
 
 constexpr int64_t LANES = 8;
 
-// sum_i a[i] * b[i]: LANES partial sums over whole blocks, the tail added to the first lanes in
-// order, the lanes folded pairwise. The order depends on n only.
-inline float dot(const float* a, const float* b, int64_t n) {
+// The reduction order of every sum here: LANES partial sums over whole blocks of the terms, the
+// tail added to the first lanes in order, the lanes folded pairwise. It depends on n only.
+template <typename Term>
+inline float lane_sum(int64_t n, Term term) {
   float acc[LANES] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   int64_t i = 0;
   for (; i + LANES <= n; i += LANES) {
-    for (int64_t l = 0; l < LANES; ++l) acc[l] += a[i + l] * b[i + l];
+    for (int64_t l = 0; l < LANES; ++l) acc[l] += term(i + l);
   }
-  for (int64_t l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
+  for (int64_t l = 0; i < n; ++i, ++l) acc[l] += term(i);
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  return lane_sum(n, [=](int64_t i) { return a[i] * b[i]; });
 }
 
 inline void rms_norm_row(const float* x, const float* w, float* y, int64_t n, float eps, float* rstd_out) {
@@ -334,13 +339,7 @@ torch::Tensor log_softmax(torch::Tensor x) {
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < V; ++j) m = std::max(m, in[j]);
       for (int64_t j = 0; j < V; ++j) out[j] = std::exp(in[j] - m);  // scratch: the row's exps
-      float acc[LANES] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      int64_t j = 0;
-      for (; j + LANES <= V; j += LANES)
-        for (int64_t l = 0; l < LANES; ++l) acc[l] += out[j + l];
-      for (int64_t l = 0; j < V; ++j, ++l) acc[l] += out[j];
-      const float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-      const float lse = std::log(sum);
+      const float lse = std::log(lane_sum(V, [=](int64_t j) { return out[j]; }));
       for (int64_t i = 0; i < V; ++i) out[i] = (in[i] - m) - lse;
     }
   });
@@ -506,5 +505,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ weight^T (+ bias) through the fixed tile plan");
   m.def("linear_backward", &linear_backward, "(dy @ weight, dy^T @ x) through the fixed tile plan");
   m.def("column_sum", &column_sum, "column sums in row order");
-  m.def("uses_mkl", &have_mkl, "whether gemm calls MKL's sgemm (else plain loops)");
 }
