@@ -154,3 +154,71 @@ def test_forward_is_bitwise_invariant(arch, use_lora, arch_dirs):
         with hf.disable_adapter():
             off = _full_logprobs(model, seqs[:1])[0]
         assert not torch.equal(off, alone[0])
+
+
+def _lora_on(hf, targets, seed=0):
+    hf = lora_mod.attach(hf, LoraSpec(rank=4, seed=3, target_modules=targets))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return hf
+
+
+def _per_op_hidden(model, toks):
+    """The per-op path that the trainer runs under autograd (no decoder stack there)."""
+    with torch.enable_grad():
+        return model.hidden_states(toks).detach()
+
+
+@pytest.mark.parametrize("arch, targets", [("qwen2", None), ("qwen2", ("q_proj", "v_proj", "down_proj")),
+                                           ("llama", ("k_proj", "o_proj", "up_proj")), ("qwen3", None),
+                                           ("qwen3", ("q_proj", "gate_proj")), ("mistral", None)])
+def test_the_one_call_decoder_stack_computes_the_per_op_paths_bits(arch, targets, arch_dirs):
+    """Outside autograd a dense model runs all its layers in one C++ call (kernels/stack.cpp); its
+    hidden states, full-sequence and KV-cache decode, equal the per-op path's bit for bit, with LoRA
+    on some projections only (zero updates on the others), and after weights move."""
+    hf, _ = load_model(arch_dirs[arch])
+    if targets:
+        hf = _lora_on(hf, list(targets))
+    model = InvariantLM(hf)
+    assert model.path == "fused"
+    rng = random.Random(2)
+    toks = torch.tensor([[rng.randrange(4, 260) for _ in range(37)] for _ in range(3)])
+
+    def check():
+        with torch.no_grad():
+            stacked = model.hidden_states(toks)
+        assert model._stack is not None
+        assert torch.equal(stacked, _per_op_hidden(model, toks))
+        cache = model.new_cache(3, 37)
+        with torch.no_grad():
+            model.hidden_states(toks[:, :20], torch.arange(20).expand(3, 20), cache)
+            step = model.hidden_states(toks[:, 20:21], torch.full((3, 1), 20), cache)
+        assert torch.equal(step[:, 0], stacked[:, 20])
+
+    check()
+    layer = model.inner.layers[-1]
+    before = model._stack
+    with torch.no_grad():
+        layer.post_attention_layernorm.weight.mul_(1.5)  # in place: the version counter moves
+    check()
+    o = layer.self_attn.o_proj
+    o = getattr(o, "base_layer", o)
+    o.weight.data = o.weight.data * -1.0  # a `.data` swap, as the generator's hot-swap does
+    check()
+    if targets:
+        lora_b = next(p for n, p in hf.named_parameters() if "lora_B" in n)
+        lora_b.data = lora_b.data + 0.05
+        check()
+        with hf.disable_adapter():  # adapters off: the stack follows
+            check()
+    assert model._stack is not before
+
+
+def test_a_mixture_of_experts_keeps_the_per_op_path(arch_dirs):
+    model = InvariantLM(load_model(arch_dirs["qwen3_moe"])[0])
+    with torch.no_grad():
+        model.hidden_states(torch.tensor([[5, 6, 7]]))
+    assert model.path == "fused" and model._stack is None

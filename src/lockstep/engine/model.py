@@ -120,9 +120,14 @@ class InvariantLM:
         self._inv_freq = rotary.inv_freq.detach().float().clone()
         self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         self._rope_table = (torch.empty(0, self.head_dim), torch.empty(0, self.head_dim))
-        self._fused_cache: dict[tuple, tuple] = {}
-        self._fused_bases = [_base(m)._parameters for _, mods in self._fused_groups() for m in mods]
-        """The fused projections' parameter dicts (the modules never change; their parameters may)."""
+        self._fused_cache: dict[str, tuple] = {}
+        self._param_dicts = [m._parameters for m in hf_model.modules() if m._parameters]
+        """Every module's parameter dict (the modules never change; their parameters may)."""
+        self._lora_modules = [m for m in hf_model.modules() if hasattr(m, "lora_A")]
+        self._stamp: tuple | None = None
+        self._stack = None
+        """The C++ decoder stack (kernels/stack.cpp) over the current weights, for forwards outside
+        autograd on the fused path; None for a mixture-of-experts model or on the eager path."""
         self._plan = [_LayerPlan.of(layer) for layer in self.inner.layers]
         """Each layer's modules, looked up once: nn.Module attribute access costs ~1 us, some 300
         times per decode step otherwise."""
@@ -153,19 +158,45 @@ class InvariantLM:
             if not _is_moe(layer.mlp):
                 yield f"mlp{i}", (layer.mlp.gate_proj, layer.mlp.up_proj)
 
-    def _refresh_fused(self) -> None:
-        """Outside autograd, (re)build the fused weights once per forward if any base weight moved.
+    def _weights_stamp(self) -> tuple:
+        """What the derived weights depend on: each parameter's identity, in-place version counter
+        (it moves on every optimizer step or copy_) and data pointer (it moves on every `.data`
+        swap, the generator's zero-copy hot-swap), and each LoRA layer's adapter state."""
+        params = tuple((id(p), p._version, p.data_ptr()) for ps in self._param_dicts for p in ps.values() if p is not None)
+        adapters = tuple((getattr(m, "disable_adapters", False), getattr(m, "merged", False), tuple(m.active_adapters))
+                         for m in self._lora_modules)
+        return params, adapters
 
-        A parameter's in-place version counter moves on every optimizer step or copy_, and its
-        data pointer on every `.data` swap (the generator's zero-copy hot-swap), so a stale fused
-        copy is impossible without anyone having to invalidate it by hand.
-        """
-        params = [p for ps in self._fused_bases for p in (ps["weight"], ps.get("bias")) if p is not None]
-        stamp = tuple((id(p), p._version, p.data_ptr()) for p in params)
-        if self._fused_cache.get("__stamp__") != stamp:
+    def _refresh_derived(self) -> None:
+        """Outside autograd, (re)build the fused weights and the decoder stack once per forward if
+        any weight moved, so a stale copy is impossible without anyone invalidating it by hand."""
+        stamp = self._weights_stamp()
+        if self._stamp != stamp:
             self._fused_cache = {key: tuple(t.detach() if t is not None else None for t in _fuse(mods))
                                  for key, mods in self._fused_groups()}
-            self._fused_cache["__stamp__"] = stamp
+            self._stack = self._build_stack() if self.path == "fused" else None
+            self._stamp = stamp
+
+    def _build_stack(self):
+        """kernels/stack.cpp's DecoderStack over the current weights (None for a mixture of experts,
+        whose layers only the per-op path runs)."""
+        from lockstep.engine import kernels
+
+        if any(lp.moe is not None for lp in self._plan):
+            return None
+        layers, lora_ab, lora_scale = [], [], []
+        for i, lp in enumerate(self._plan):
+            (qkv_w, qkv_b), (gu_w, gu_b) = self._fused_cache[f"attn{i}"], self._fused_cache[f"mlp{i}"]
+            o, down, qk = _base(lp.o_proj), _base(lp.down), lp.qk_norms
+            tensors = [lp.in_norm["weight"], qkv_w, qkv_b, qk and qk[0]["weight"], qk and qk[1]["weight"],
+                       o.weight, o.bias, lp.post_norm["weight"], gu_w, gu_b, down.weight, down.bias]
+            layers.append([t.detach() if t is not None else None for t in tensors])
+            parts = [_lora_parts(m) for m in lp.projections]
+            lora_ab.append([[t.detach() for a, b, _ in ps for t in (a, b)] for ps in parts])
+            lora_scale.append([[float(s) for _, _, s in ps] for ps in parts])
+        out_features = [_base(m).weight.shape[0] for m in self._plan[0].projections]
+        return kernels.load().DecoderStack(layers, lora_ab, lora_scale, out_features, self.inner.norm.weight.detach(),
+                                           self.eps, self.scale, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def fused(self, key: str, modules) -> tuple[torch.Tensor, torch.Tensor | None]:
         if torch.is_grad_enabled():
@@ -208,7 +239,7 @@ class InvariantLM:
         kv_len = round_up(max_position + 1, KEY_BLOCK)
         ctx = _AttnContext.build(positions_BT, self.group, kv_len, cos, sin, cache)
         if not torch.is_grad_enabled():
-            self._refresh_fused()
+            self._refresh_derived()
         x = F.embedding(tokens_BT, self.inner.embed_tokens.weight)
         for i, layer in enumerate(self.inner.layers):
             h = inv.rms_norm(x, layer.input_layernorm.weight, self.eps)
@@ -219,15 +250,19 @@ class InvariantLM:
 
     def _hidden_fused(self, tokens_BT, positions_BT, cache: KVCache | None) -> torch.Tensor:
         """hidden_states on the fused kernels: per layer one norm (fused with the residual add),
-        the q|k|v and gate|up matmuls, one rope, one attention, one SiLU*up and two more matmuls."""
+        the q|k|v and gate|up matmuls, one rope, one attention, one SiLU*up and two more matmuls.
+        Outside autograd a dense model runs all its layers in one C++ call (kernels/stack.cpp),
+        which composes the same kernels in the same order."""
         from lockstep.engine import fused
 
         cos, sin = self.rope(positions_BT, int(positions_BT.max()))
         cos, sin = inv.rope_tables(cos, sin)
-        if not torch.is_grad_enabled():
-            self._refresh_fused()
-        plan = self._plan
         x = F.embedding(tokens_BT, self.inner.embed_tokens.weight)
+        if not torch.is_grad_enabled():
+            self._refresh_derived()
+            if self._stack is not None:  # every layer in one call: the same kernels, the same bits
+                return self._stack.forward(x, positions_BT, cos, sin, cache.k if cache else [], cache.v1 if cache else [])
+        plan = self._plan
         h = fused.rms_norm(x, plan[0].in_norm["weight"], self.eps)
         for i, lp in enumerate(plan):
             a = self._attention_fused(i, lp, h, positions_BT, cos, sin, cache)
@@ -364,6 +399,11 @@ class _LayerPlan:
     mlp: tuple | None  # gate, up projections (a dense MLP)
     down: object
     moe: object | None  # the sparse MoE block instead
+
+    @property
+    def projections(self) -> tuple:
+        """q, k, v, o, gate, up, down: the order of kernels/stack.cpp's LoRA lists."""
+        return (*self.attn, self.o_proj, *self.mlp, self.down)
 
     @staticmethod
     def of(layer) -> "_LayerPlan":

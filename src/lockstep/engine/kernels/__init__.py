@@ -1,8 +1,8 @@
-"""The fused CPU kernels (fused.cpp): built once by `scripts/setup.sh`, loaded here, or the
+"""The fused CPU kernels (fused.cpp, and stack.cpp: the decoder stack in one call): built once by `scripts/setup.sh`, loaded here, or the
 pure-PyTorch path with a warning.
 
-`python -m lockstep.engine.kernels` compiles fused.cpp through torch's C++ extension machinery
-into `_build/<tag>/` next to this file; the tag hashes the source, the compile flags and the torch
+`python -m lockstep.engine.kernels` compiles the sources through torch's C++ extension machinery
+into `_build/<tag>/` next to this file; the tag hashes the sources, the compile flags and the torch
 version, so an edited source or another torch is never served a stale build. Loading never
 compiles (a first forward must not wait a minute for g++, once per Ray worker): a missing build
 means the fallback.
@@ -23,7 +23,9 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).with_name("fused.cpp")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "fused.cpp", HERE / "stack.cpp")
+HEADERS = (HERE / "fused.h",)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c++17", "-fopenmp")
 """-ffp-contract=off and no fast-math: see THE RULE at the top of fused.cpp. -march=native: the
 build runs on the machine that uses it (setup.sh); another CPU gets its own build. -fopenmp: ATen's
@@ -38,7 +40,9 @@ _tried = False
 
 def tag() -> str:
     """Which build serves this source, these flags, this torch and this CPU."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        h.update(path.read_bytes())
     h.update(" ".join(CFLAGS + LDFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_model().encode())
@@ -69,12 +73,12 @@ def module_name() -> str:
 
 
 def build(verbose: bool = False) -> Path:
-    """Compile fused.cpp (a minute on 2 cores); returns the shared library's path."""
+    """Compile the sources (a minute on 2 cores); returns the shared library's path."""
     from torch.utils.cpp_extension import load
 
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
-    load(name=module_name(), sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+    load(name=module_name(), sources=[str(p) for p in SOURCES], extra_include_paths=[str(HERE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
          build_directory=str(out), verbose=verbose)
     return _library(out)
 

@@ -23,7 +23,7 @@
 // here, and the linear layers' backward uses gemm too, so a training step is reproducible from
 // one process to the next.
 
-#include <torch/extension.h>
+#include "fused.h"
 
 #include <ATen/Parallel.h>
 
@@ -47,6 +47,34 @@ inline float lane_sum(int64_t n, Term term) {
   }
   for (int64_t l = 0; i < n; ++i, ++l) acc[l] += term(i);
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+// exp(x) in plain IEEE arithmetic (Cephes' expf: a range reduction by ln 2 in two parts, a degree-6
+// polynomial, a scale by 2^n through the exponent bits), so that a loop over an array vectorises
+// (glibc's expf is a scalar call) and a lane computes the same bits as the scalar tail. Within 2
+// ulp of exp; 0 below -87.3, +inf above 88.7, NaN stays NaN.
+inline float fast_exp(float x) {
+  const float xc = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::nearbyint(xc * 1.44269504088896341f);  // (floor does not vectorise with GCC 12)
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * (r * r) + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  const float scale = __builtin_bit_cast(float, bits);
+  const float e = y * scale;
+  return x < -87.3f ? 0.f : (x > 88.7f ? std::numeric_limits<float>::infinity() : (x != x ? x : e));
+}
+
+// out[i] = fast_exp(in[i] - shift), vectorised across i.
+inline void exp_shifted(const float* in, float shift, float* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = fast_exp(in[i] - shift);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -146,6 +174,8 @@ int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / mult
 
 }  // namespace
 
+namespace lockstep {
+
 // x (M, K) @ weight (N, K)^T (+ bias (N)) -> (M, N), rows padded to ROW_TILE inside.
 torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
   check_f32(x, "x");
@@ -244,7 +274,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, to
   return {s, y, rstd};
 }
 
-// gate_up (N, 2I) contiguous -> silu(gate) * up (N, I), silu(g) = g / (1 + exp(-g)).
+// gate_up (N, 2I) contiguous -> silu(gate) * up (N, I), silu(g) = g / (1 + exp(-g)) (fast_exp).
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   check_f32(gate_up, "gate_up");
   gate_up = gate_up.contiguous();
@@ -260,7 +290,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
       const float* g = gp + r * I2;
       const float* u = g + I;
       float* out = yp + r * I;
-      for (int64_t i = 0; i < I; ++i) out[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) out[i] = (g[i] / (1.f + fast_exp(-g[i]))) * u[i];
     }
   });
   return y;
@@ -282,8 +313,9 @@ torch::Tensor silu_mul_backward(torch::Tensor dy, torch::Tensor gate_up) {
     for (int64_t r = begin; r < end; ++r) {
       const float *g = gp + r * I2, *u = g + I, *d = dp + r * I;
       float *dg = op + r * I2, *du = dg + I;
+#pragma omp simd
       for (int64_t i = 0; i < I; ++i) {
-        const float s = 1.f / (1.f + std::exp(-g[i]));
+        const float s = 1.f / (1.f + fast_exp(-g[i]));
         dg[i] = d[i] * u[i] * s * (1.f + g[i] * (1.f - s));
         du[i] = d[i] * g[i] * s;
       }
@@ -338,13 +370,15 @@ torch::Tensor log_softmax(torch::Tensor x) {
       float* out = yp + r * V;
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < V; ++j) m = std::max(m, in[j]);
-      for (int64_t j = 0; j < V; ++j) out[j] = std::exp(in[j] - m);  // scratch: the row's exps
+      exp_shifted(in, m, out, V);  // scratch: the row's exps
       const float lse = std::log(lane_sum(V, [=](int64_t j) { return out[j]; }));
       for (int64_t i = 0; i < V; ++i) out[i] = (in[i] - m) - lse;
     }
   });
   return y;
 }
+
+}  // namespace lockstep
 
 namespace {
 
@@ -369,6 +403,8 @@ double uniform(int64_t key, uint64_t mixed_step) {
 }
 
 }  // namespace
+
+namespace lockstep {
 
 // One token per row from the distribution logp (N, V): the inverse CDF (exp summed in float64, in
 // order) at the row's uniform draw for (keys[r], step), as engine/sampling.py's choose does.
@@ -475,10 +511,11 @@ std::vector<torch::Tensor> attention(torch::Tensor q, torch::Tensor k, torch::Te
         score[j] = dot(qv, kbase + j * kl, D) * sc;
         m = std::max(m, score[j]);
       }
+      exp_shifted(score.data(), m, score.data(), n);
       float denom = 0.f;
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {
-        const float e = std::exp(score[j] - m);
+        const float e = score[j];
         denom += e;
         const float* vv = vbase + j * vl;
         for (int64_t d = 0; d < D; ++d) acc[d] += e * vv[d];
@@ -491,18 +528,21 @@ std::vector<torch::Tensor> attention(torch::Tensor q, torch::Tensor k, torch::Te
   return {out, lse};
 }
 
+}  // namespace lockstep
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lockstep's fused, batch-invariant fp32 CPU kernels (see the rule at the top of fused.cpp)";
-  m.def("rms_norm", &rms_norm, "RMSNorm rows: (y, rstd)");
-  m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta), rstd)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up over (..., 2I)");
-  m.def("silu_mul_backward", &silu_mul_backward, "the gradient of silu_mul");
-  m.def("rope", &rope, "rotary embedding of (B, T, H, D)");
-  m.def("attention", &attention, "causal GQA attention over a key buffer: (out, lse)");
-  m.def("log_softmax", &log_softmax, "row-wise log-softmax in a fixed order");
-  m.def("sample_rows", &sample_rows, "inverse-CDF sampling with the counter RNG");
-  m.def("cache_write", &cache_write, "write k, v into a KV cache at the given positions");
-  m.def("linear", &linear, "x @ weight^T (+ bias) through the fixed tile plan");
-  m.def("linear_backward", &linear_backward, "(dy @ weight, dy^T @ x) through the fixed tile plan");
-  m.def("column_sum", &column_sum, "column sums in row order");
+  m.def("rms_norm", &lockstep::rms_norm, "RMSNorm rows: (y, rstd)");
+  m.def("add_rms_norm", &lockstep::add_rms_norm, "(x + delta, rms_norm(x + delta), rstd)");
+  m.def("silu_mul", &lockstep::silu_mul, "silu(gate) * up over (..., 2I)");
+  m.def("silu_mul_backward", &lockstep::silu_mul_backward, "the gradient of silu_mul");
+  m.def("rope", &lockstep::rope, "rotary embedding of (B, T, H, D)");
+  m.def("attention", &lockstep::attention, "causal GQA attention over a key buffer: (out, lse)");
+  m.def("log_softmax", &lockstep::log_softmax, "row-wise log-softmax in a fixed order");
+  m.def("sample_rows", &lockstep::sample_rows, "inverse-CDF sampling with the counter RNG");
+  m.def("cache_write", &lockstep::cache_write, "write k, v into a KV cache at the given positions");
+  m.def("linear", &lockstep::linear, "x @ weight^T (+ bias) through the fixed tile plan");
+  m.def("linear_backward", &lockstep::linear_backward, "(dy @ weight, dy^T @ x) through the fixed tile plan");
+  m.def("column_sum", &lockstep::column_sum, "column sums in row order");
+  lockstep::bind_stack(m);
 }

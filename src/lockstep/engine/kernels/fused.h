@@ -1,0 +1,28 @@
+// The fused kernels' entry points (fused.cpp), for the decoder stack (stack.cpp) that composes them.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace lockstep {
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+std::vector<torch::Tensor> linear_backward(torch::Tensor dy, torch::Tensor x, torch::Tensor weight, bool need_dx,
+                                           bool need_dw);
+torch::Tensor column_sum(torch::Tensor x);
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor silu_mul_backward(torch::Tensor dy, torch::Tensor gate_up);
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor ssin);
+torch::Tensor log_softmax(torch::Tensor x);
+torch::Tensor sample_rows(torch::Tensor logp, torch::Tensor keys, int64_t step);
+void cache_write(torch::Tensor keys, torch::Tensor values, torch::Tensor k, torch::Tensor v, torch::Tensor positions);
+std::vector<torch::Tensor> attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions,
+                                     double scale);
+
+// Registers the DecoderStack class (stack.cpp) on the extension module.
+void bind_stack(pybind11::module& m);
+
+}  // namespace lockstep
