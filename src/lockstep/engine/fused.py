@@ -1,5 +1,5 @@
 """The fused kernels as differentiable ops: forwards in C++ (kernels/fused.cpp), backwards from
-torch ops (or a C++ pass where the torch-op version was slow: linear, SiLU*up).
+torch ops (or a C++ pass where the torch-op version was slow: linear, SiLU*up, attention).
 
 Outside autograd (the sampler, the trainer's `forward`) each op is one kernel call. Under
 autograd the forward is the same kernel, so the trainer's logprobs are the sampler's bit for bit;
@@ -70,32 +70,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         q, keys, values, positions, out, lse = ctx.saved_tensors
-        B, T, Hq, D = q.shape
-        Hkv = keys.shape[1]
-        G, n = Hq // Hkv, int(positions.max()) + 1
-
-        def rows(t):  # (B, T, Hq, ...) -> (B, Hkv, G*T, ...): query rows per KV head
-            return t.reshape(B, T, Hkv, G, *t.shape[3:]).movedim(1, 3).reshape(B, Hkv, G * T, *t.shape[3:])
-
-        k, v = keys[:, :, :n], values[:, :, :n, :D]
-        q_r, do_r, o_r = rows(q), rows(d_out), rows(out)
-        hidden = torch.arange(n).view(1, 1, 1, n) > rows(positions.view(B, T, 1).expand(B, T, Hq)).unsqueeze(-1)
-        # Masked before the exp: a key the query does not see may score far above its log-sum-exp
-        # (exp -> inf, and inf * 0 is NaN).
-        s = (torch.matmul(q_r, k.transpose(-1, -2)) * ctx.scale - rows(lse).unsqueeze(-1)).masked_fill_(hidden, -torch.inf)
-        p = torch.exp(s)
-        dv = torch.matmul(p.transpose(-1, -2), do_r)
-        dp = torch.matmul(do_r, v.transpose(-1, -2))
-        ds = p * (dp - (do_r * o_r).sum(-1, keepdim=True)) * ctx.scale
-        dq = torch.matmul(ds, k).reshape(B, Hkv, G, T, D).movedim(3, 1).reshape(B, T, Hq, D)
-        dk = torch.matmul(ds.transpose(-1, -2), q_r)
-        d_keys = d_values = None
-        if ctx.needs_input_grad[1]:
-            d_keys = keys.new_zeros(keys.shape)
-            d_keys[:, :, :n] = dk
-        if ctx.needs_input_grad[2]:
-            d_values = values.new_zeros(values.shape)
-            d_values[:, :, :n, :D] = dv
+        dq, d_keys, d_values = K.attention_backward(d_out, q, keys, values, positions, out, lse, ctx.scale)
         return dq, d_keys, d_values, None, None
 
 

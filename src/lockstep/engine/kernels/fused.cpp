@@ -18,10 +18,10 @@
 // CNR mode) can change a bit. A row's tile always has a multiple of ROW_TILE rows (MKL's kernel
 // for a single row differs), and a column always falls in the same tile of the same width.
 //
-// The backward passes of rms_norm, rope, log_softmax and attention are composed from torch ops in
-// engine/fused.py (gradients are not compared bit for bit with anything); silu_mul's is a pass
-// here, and the linear layers' backward uses gemm too, so a training step is reproducible from
-// one process to the next.
+// The backward passes of rms_norm, rope and log_softmax are composed from torch ops in
+// engine/fused.py (gradients are not compared bit for bit with anything); silu_mul's and
+// attention's are passes here, and the linear layers' backward uses gemm too, so a training step is
+// reproducible from one process to the next.
 
 #include "fused.h"
 
@@ -528,6 +528,124 @@ std::vector<torch::Tensor> attention(torch::Tensor q, torch::Tensor k, torch::Te
   return {out, lse};
 }
 
+// The gradient of attention, walking the visible keys as the forward does (the torch-op version
+// built the (rows x keys) probabilities with batched matmuls and took a fifth of a training step).
+// For query (b, t, h) with visible keys j = 0..positions[b, t]: p_j = exp(s_j - lse) from the
+// forward's log-sum-exp, ds_j = p_j (dO.v_j - dO.out) scale; then dq = sum_j ds_j k_j,
+// dk_j += ds_j q and dv_j += p_j dO. Threads split the (b, kv head) pairs, each of which owns its
+// keys' gradients, and walk their queries and keys in one fixed order: reproducible whatever the
+// thread count. (The scores are recomputed with another summation order than the forward's: a
+// gradient is not compared bit for bit with anything, only reproduced.) Returns (dq, d_keys, d_values) shaped like q, keys and values (values' columns past
+// D get zeros).
+std::vector<torch::Tensor> attention_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                              torch::Tensor positions, torch::Tensor out, torch::Tensor lse,
+                                              double scale) {
+  for (const auto& [t, name] : {std::pair{&dout, "d_out"}, {&q, "q"}, {&k, "keys"}, {&v, "values"}, {&out, "out"},
+                                {&lse, "lse"}}) {
+    check_f32(*t, name);
+  }
+  dout = dout.contiguous();
+  q = q.contiguous();
+  out = out.contiguous();
+  lse = lse.contiguous();
+  positions = positions.contiguous();
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "last dims must be contiguous");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64, "positions must be int64");
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), L = k.size(2), G = Hq / Hkv, Dv = v.size(3);
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() && lse.numel() == B * T * Hq &&
+                  positions.numel() == B * T,
+              "attention_backward: shapes do not match the forward's");
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * T; ++i) TORCH_CHECK(pp[i] >= 0 && pp[i] < L, "a query position is outside the keys");
+  auto dq = torch::zeros_like(q);
+  auto dk = torch::zeros({B, Hkv, L, D}, q.options());
+  auto dv = torch::zeros({B, Hkv, L, Dv}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *dop = dout.data_ptr<float>(), *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
+  float *dqp = dq.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dv.data_ptr<float>();
+  const int64_t kb = k.stride(0), kh = k.stride(1), kl = k.stride(2);
+  const int64_t vb = v.stride(0), vh = v.stride(1), vl = v.stride(2);
+  const float sc = static_cast<float>(scale);
+  constexpr int64_t W = 16;  // keys per register block
+  const int64_t Lp = (L + W - 1) / W * W;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    // This pair's keys and values transposed (D x Lp, zero-padded), and their gradients likewise:
+    // the loops below then run along the keys, contiguous and vectorised.
+    std::vector<float> kt(D * Lp), vt(D * Lp), dkt(D * Lp), dvt(D * Lp), s(Lp), dp(Lp);
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const int64_t b = bg / Hkv, g = bg % Hkv;
+      int64_t n_max = 0;
+      for (int64_t t = 0; t < T; ++t) n_max = std::max(n_max, pp[b * T + t] + 1);
+      std::fill(kt.begin(), kt.end(), 0.f);
+      std::fill(vt.begin(), vt.end(), 0.f);
+      const float *kbase = kp + b * kb + g * kh, *vbase = vp + b * vb + g * vh;
+      for (int64_t j = 0; j < n_max; ++j) {
+        for (int64_t d = 0; d < D; ++d) {
+          kt[d * Lp + j] = kbase[j * kl + d];
+          vt[d * Lp + j] = vbase[j * vl + d];
+        }
+      }
+      std::fill(dkt.begin(), dkt.end(), 0.f);
+      std::fill(dvt.begin(), dvt.end(), 0.f);
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t n = pp[b * T + t] + 1, nb = (n + W - 1) / W * W;
+        for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+          const int64_t item = (b * T + t) * Hq + h;
+          const float *qv = qp + item * D, *dov = dop + item * D;
+          const float delta = dot(dov, op + item * D, D);
+          for (int64_t j0 = 0; j0 < nb; j0 += W) {  // scores and dO.v_j, summed over d in order
+            float sa[W] = {}, da[W] = {};
+            for (int64_t d = 0; d < D; ++d) {
+              const float qd = qv[d], dod = dov[d];
+              const float *kd = kt.data() + d * Lp + j0, *vd = vt.data() + d * Lp + j0;
+#pragma omp simd
+              for (int64_t l = 0; l < W; ++l) {
+                sa[l] += qd * kd[l];
+                da[l] += dod * vd[l];
+              }
+            }
+            std::copy_n(sa, W, s.data() + j0);
+            std::copy_n(da, W, dp.data() + j0);
+          }
+          const float shift = lp[item];
+#pragma omp simd
+          for (int64_t j = 0; j < n; ++j) {
+            const float pj = fast_exp(s[j] * sc - shift);
+            s[j] = pj;                          // s now holds p
+            dp[j] = pj * (dp[j] - delta) * sc;  // dp now holds ds
+          }
+          for (int64_t d = 0; d < D; ++d) {
+            const float qd = qv[d], dod = dov[d];
+            const float *__restrict ds = dp.data(), *__restrict pr = s.data();
+            float *__restrict dkd = dkt.data() + d * Lp, *__restrict dvd = dvt.data() + d * Lp;
+#pragma omp simd
+            for (int64_t j = 0; j < n; ++j) {
+              dkd[j] += ds[j] * qd;
+              dvd[j] += pr[j] * dod;
+            }
+          }
+          float* __restrict dqv = dqp + item * D;  // dq = sum_j ds_j k_j, in key order
+          for (int64_t j = 0; j < n; ++j) {
+            const float dsj = dp[j];
+            const float* __restrict kr = kbase + j * kl;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) dqv[d] += dsj * kr[d];
+          }
+        }
+      }
+      float *dkb = dkp + bg * L * D, *dvb = dvp + bg * L * Dv;
+      for (int64_t j = 0; j < n_max; ++j) {
+        for (int64_t d = 0; d < D; ++d) {
+          dkb[j * D + d] = dkt[d * Lp + j];
+          dvb[j * Dv + d] = dvt[d * Lp + j];
+        }
+      }
+    }
+  });
+  return {dq, dk, dv};
+}
+
 }  // namespace lockstep
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -538,6 +656,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_backward", &lockstep::silu_mul_backward, "the gradient of silu_mul");
   m.def("rope", &lockstep::rope, "rotary embedding of (B, T, H, D)");
   m.def("attention", &lockstep::attention, "causal GQA attention over a key buffer: (out, lse)");
+  m.def("attention_backward", &lockstep::attention_backward, "the gradient of attention: (dq, d_keys, d_values)");
   m.def("log_softmax", &lockstep::log_softmax, "row-wise log-softmax in a fixed order");
   m.def("sample_rows", &lockstep::sample_rows, "inverse-CDF sampling with the counter RNG");
   m.def("cache_write", &lockstep::cache_write, "write k, v into a KV cache at the given positions");

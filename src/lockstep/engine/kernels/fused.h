@@ -19,6 +19,9 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor ssin);
 torch::Tensor log_softmax(torch::Tensor x);
 torch::Tensor sample_rows(torch::Tensor logp, torch::Tensor keys, int64_t step);
 void cache_write(torch::Tensor keys, torch::Tensor values, torch::Tensor k, torch::Tensor v, torch::Tensor positions);
+std::vector<torch::Tensor> attention_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                              torch::Tensor positions, torch::Tensor out, torch::Tensor lse,
+                                              double scale);
 std::vector<torch::Tensor> attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions,
                                      double scale);
 
