@@ -76,6 +76,11 @@ def test_a_rows_bits_never_depend_on_its_batch_padding_cache_or_threads(threads)
     bpos = torch.randint(0, L, (B, 3), generator=torch.Generator().manual_seed(7))
     bpos[21, 2] = 13
     assert torch.equal(fused.attention(bq, bk, bv, bpos, 0.17)[21, 2], alone[0, 0])
+    # keys stored transposed (the fused path's KV cache) or as a strided view of fresh projections
+    transposed = bk.transpose(2, 3).contiguous().transpose(2, 3)
+    assert transposed.stride(2) == 1 and torch.equal(fused.attention(bq, transposed, bv, bpos, 0.17)[21, 2], alone[0, 0])
+    fresh = torch.cat([bk, bk], dim=-1)[..., :32]  # row stride 64, not 32
+    assert torch.equal(fused.attention(bq, fresh, bv, bpos, 0.17)[21, 2], alone[0, 0])
     bx = rand(B, 96, seed=8)
     bx[21] = x[0]
     assert torch.equal(fused.rms_norm(bx, w, 1e-5)[21], norm_alone[0])
@@ -107,6 +112,24 @@ def test_gradients_match_the_pure_pytorch_ops():
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert not got[1][:, :, 16:].any() and not got[2][..., 8].any()  # keys nobody sees, the extra column
+
+
+def test_attention_gradients_are_the_same_bits_at_any_thread_count():
+    """The backward is a C++ pass over (batch, kv head) pairs in a fixed order: a training step
+    reproduces exactly whatever the thread count (with keys as fresh projections or a cache)."""
+    q, keys, values = rand(5, 40, 4, 16), rand(5, 2, 64, 16, seed=1), rand(5, 2, 64, 17, seed=2)
+    positions = torch.arange(40).expand(5, 40) + torch.arange(5).unsqueeze(1)
+    d_out = rand(5, 40, 4, 16, seed=3)
+    results = []
+    for threads in (1, 2, 4):
+        torch.set_num_threads(threads)
+        for k in (keys, keys.transpose(2, 3).contiguous().transpose(2, 3)):
+            qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, values))
+            fused.attention(qq, kk, vv, positions, 0.25).backward(d_out)
+            results.append((threads, k.stride(2) == 1, qq.grad, kk.grad, vv.grad))
+    for threads, transposed, *grads in results[2:]:
+        reference = results[1 if transposed else 0][2:]
+        assert all(torch.equal(a, b) for a, b in zip(grads, reference)), (threads, transposed)
 
 
 def test_bad_shapes_are_a_clear_error_not_a_crash():

@@ -25,7 +25,8 @@ from lockstep.engine.invariant import KEY_BLOCK, ROW_TILE, round_up
 
 @dataclass
 class KVCache:
-    """Per-layer keys (B, Hkv, L, D) and values with a ones column (B, Hkv, L, D+1).
+    """Per-layer keys (B, Hkv, L, D) and values with a ones column (B, Hkv, L, D+1). On the fused
+    path the keys are a transposed view (stored (B, Hkv, D, L)).
 
     Slot j of row b holds the token at position j; unwritten slots are zero and never visible,
     because attention masks keys by position. L is a multiple of KEY_BLOCK.
@@ -39,8 +40,14 @@ class KVCache:
         return self.k[0].shape[2]
 
     def select(self, rows: torch.Tensor) -> "KVCache":
-        """A cache holding the given batch rows (prefix sharing, batch compaction)."""
-        return KVCache([k.index_select(0, rows) for k in self.k], [v.index_select(0, rows) for v in self.v1])
+        """A cache holding the given batch rows (prefix sharing, batch compaction), in the same layout."""
+        return KVCache([_select_rows(k, rows) for k in self.k], [v.index_select(0, rows) for v in self.v1])
+
+
+def _select_rows(keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    if keys.stride(-2) == 1 and keys.stride(-1) != 1:  # stored transposed (the fused path's cache)
+        return keys.transpose(-1, -2).index_select(0, rows).transpose(-1, -2)
+    return keys.index_select(0, rows)
 
 
 def _lora_parts(module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
@@ -205,7 +212,11 @@ class InvariantLM:
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         shape = (batch, self.num_kv_heads, round_up(max(capacity, 1), KEY_BLOCK), self.head_dim)
-        k = [torch.zeros(shape) for _ in self.inner.layers]
+        if self.path == "fused":  # keys stored transposed, (B, H, D, L) in memory: the fused attention
+            # reads a decode step's keys in place, a block of key positions per vector
+            k = [torch.zeros(*shape[:2], shape[3], shape[2]).transpose(2, 3) for _ in self.inner.layers]
+        else:
+            k = [torch.zeros(shape) for _ in self.inner.layers]
         v1 = []
         for _ in self.inner.layers:
             v = torch.zeros(*shape[:-1], self.head_dim + 1)

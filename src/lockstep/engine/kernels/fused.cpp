@@ -433,15 +433,16 @@ torch::Tensor sample_rows(torch::Tensor logp, torch::Tensor keys, int64_t step) 
 }
 
 // The KV-cache write: keys[b, :, positions[b, t]] = k[b, t] and the same for values (whose rows
-// may be wider: only the first D columns are written). keys, values (B, Hkv, L, >=D) and k, v
-// (B, T, Hkv, D), any strides with a contiguous last dim.
+// may be wider: only the first D columns are written). keys (B, Hkv, L, D) with any strides (the
+// fused path's cache stores them transposed, see attention), values (B, Hkv, L, >=D) and k, v
+// (B, T, Hkv, D) with a contiguous last dim.
 void cache_write(torch::Tensor keys, torch::Tensor values, torch::Tensor k, torch::Tensor v, torch::Tensor positions) {
   check_f32(keys, "keys");
   check_f32(values, "values");
   check_f32(k, "k");
   check_f32(v, "v");
-  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
-              "last dims must be contiguous");
+  TORCH_CHECK(values.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "last dims must be contiguous (keys may be stored transposed)");
   TORCH_CHECK(positions.scalar_type() == torch::kInt64, "positions must be int64");
   positions = positions.contiguous();
   const int64_t B = k.size(0), T = k.size(1), H = k.size(2), D = k.size(3), L = keys.size(2);
@@ -456,8 +457,9 @@ void cache_write(torch::Tensor keys, torch::Tensor values, torch::Tensor k, torc
     for (int64_t bt = begin; bt < end; ++bt) {
       const int64_t b = bt / T, t = bt % T, slot = pp[bt];
       for (int64_t h = 0; h < H; ++h) {
-        std::copy_n(kp + b * k.stride(0) + t * k.stride(1) + h * k.stride(2), D,
-                    kc + b * keys.stride(0) + h * keys.stride(1) + slot * keys.stride(2));
+        const float* src = kp + b * k.stride(0) + t * k.stride(1) + h * k.stride(2);
+        float* dst = kc + b * keys.stride(0) + h * keys.stride(1) + slot * keys.stride(2);
+        for (int64_t d = 0; d < D; ++d) dst[d * keys.stride(3)] = src[d];
         std::copy_n(vp + b * v.stride(0) + t * v.stride(1) + h * v.stride(2), D,
                     vc + b * values.stride(0) + h * values.stride(1) + slot * values.stride(2));
       }
@@ -465,18 +467,71 @@ void cache_write(torch::Tensor keys, torch::Tensor values, torch::Tensor k, torc
   });
 }
 
-// Causal GQA attention. q (B, T, Hq, D), last dim contiguous; keys and values (B, Hkv, L, D)
-// with any strides but a contiguous last dim (a KV cache, or a view of the fresh projections);
-// positions (B, T) int64: query (b, t) attends to keys 0..positions[b, t] of row b. Scores are
-// dot(q, k) * scale. Returns (out (B, T, Hq, D), lse (B, T, Hq): the log-sum-exp of the scores,
-// for the backward).
+namespace {
+
+constexpr int64_t KEY_BLOCK_W = 16;  // keys per register block in attention's scores
+constexpr int64_t PV_LANES = 4;      // partial sums of attention's probability-weighted values
+
+// The scores of one query against keys 0..n-1 of a (batch, kv head) pair: s[j] = (sum over d, in
+// order, of q[d] * key_j[d]) * scale, with the keys read transposed, key_j[d] = kt[d * ld + j],
+// a block of keys at a time in registers (4 x KEY_BLOCK_W while they last: four independent
+// chains of adds hide the add's latency; a key's sum is the same whichever block it falls in).
+// s and the key panel must hold round_up(n, KEY_BLOCK_W) columns; lanes past n are computed and
+// ignored. The same function serves the forward and the backward, in a decode step and in a full
+// sequence alike.
+template <int64_t W>
+inline int64_t score_blocks(const float* q, const float* kt, int64_t ld, int64_t D, int64_t j0, int64_t n, float sc,
+                            float* s) {
+  for (; j0 + W <= n || (W == KEY_BLOCK_W && j0 < n); j0 += W) {
+    float acc[W] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const float qd = q[d];
+      const float* kd = kt + d * ld + j0;
+#pragma omp simd
+      for (int64_t l = 0; l < W; ++l) acc[l] += qd * kd[l];
+    }
+#pragma omp simd
+    for (int64_t l = 0; l < W; ++l) s[j0 + l] = acc[l] * sc;
+  }
+  return j0;
+}
+
+inline void scores(const float* q, const float* kt, int64_t ld, int64_t D, int64_t n, float sc, float* s) {
+  const int64_t j0 = score_blocks<4 * KEY_BLOCK_W>(q, kt, ld, D, 0, n, sc, s);
+  score_blocks<KEY_BLOCK_W>(q, kt, ld, D, j0, n, sc, s);
+}
+
+// A (batch, kv head) pair's keys 0..n-1 as a transposed panel (kt[d * ld + j]): the keys themselves
+// when the cache stores them transposed with whole blocks of columns, else a copy into buf.
+const float* key_panel(const float* kbase, int64_t sl, int64_t sd, int64_t L, int64_t D, int64_t n,
+                       std::vector<float>& buf, int64_t& ld) {
+  if (sl == 1 && L % KEY_BLOCK_W == 0) {
+    ld = sd;
+    return kbase;
+  }
+  ld = round_up(std::max<int64_t>(n, 1), KEY_BLOCK_W);
+  if (static_cast<int64_t>(buf.size()) < D * ld) buf.assign(D * ld, 0.f);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; ++d) buf[d * ld + j] = kbase[j * sl + d * sd];
+  return buf.data();
+}
+
+}  // namespace
+
+// Causal GQA attention. q (B, T, Hq, D), last dim contiguous; keys (B, Hkv, L, D) with any strides
+// (a KV cache, which the fused path stores transposed so that a decode step reads key panels in
+// place, or a view of the fresh projections, copied into a panel per (batch, kv head) pair);
+// values (B, Hkv, L, >=D) with a contiguous last dim; positions (B, T) int64: query (b, t) attends
+// to keys 0..positions[b, t] of row b. Scores as in `scores`; softmax with fast_exp; the
+// denominator and the values summed in key order. Threads split the (b, kv head) pairs. Returns
+// (out (B, T, Hq, D), lse (B, T, Hq): the log-sum-exp of the scores, for the backward).
 std::vector<torch::Tensor> attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions,
                                      double scale) {
   check_f32(q, "q");
   check_f32(k, "keys");
   check_f32(v, "values");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, keys and values must be 4-D");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "last dims must be contiguous");
+  TORCH_CHECK(q.stride(3) == 1 && v.stride(3) == 1, "q's and values' last dims must be contiguous");
   TORCH_CHECK(positions.scalar_type() == torch::kInt64, "positions must be int64");
   positions = positions.contiguous();
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
@@ -494,35 +549,56 @@ std::vector<torch::Tensor> attention(torch::Tensor q, torch::Tensor k, torch::Te
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
   const int64_t qb = q.stride(0), qt = q.stride(1), qh = q.stride(2);
-  const int64_t kb = k.stride(0), kh = k.stride(1), kl = k.stride(2);
+  const int64_t kb = k.stride(0), kh = k.stride(1), kl = k.stride(2), kd = k.stride(3);
   const int64_t vb = v.stride(0), vh = v.stride(1), vl = v.stride(2);
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * T * Hq, grain(4 * L * D), [&](int64_t begin, int64_t end) {
-    std::vector<float> score(L);
-    std::vector<float> acc(D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (T * Hq), t = (item / Hq) % T, h = item % Hq, g = h / G;
-      const int64_t n = pp[b * T + t] + 1;  // visible keys
-      const float* qv = qp + b * qb + t * qt + h * qh;
-      const float* kbase = kp + b * kb + g * kh;
+  at::parallel_for(0, B * Hkv, grain(4 * T * G * L * D), [&](int64_t begin, int64_t end) {
+    std::vector<float> panel, score(round_up(L, KEY_BLOCK_W)), acc(PV_LANES * D);
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const int64_t b = bg / Hkv, g = bg % Hkv;
+      int64_t n_max = 0;
+      for (int64_t t = 0; t < T; ++t) n_max = std::max(n_max, pp[b * T + t] + 1);
+      int64_t ld = 0;
+      const float* kt = key_panel(kp + b * kb + g * kh, kl, kd, L, D, n_max, panel, ld);
       const float* vbase = vp + b * vb + g * vh;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) {
-        score[j] = dot(qv, kbase + j * kl, D) * sc;
-        m = std::max(m, score[j]);
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t n = pp[b * T + t] + 1;  // visible keys
+        for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+          float* e = score.data();
+          scores(qp + b * qb + t * qt + h * qh, kt, ld, D, n, sc, e);
+          float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+          for (int64_t j = 0; j < n; ++j) m = std::max(m, e[j]);  // a max is exact in any order
+          exp_shifted(e, m, e, n);
+          const float denom = lane_sum(n, [=](int64_t j) { return e[j]; });
+          // sum_j e_j v_j: key j goes to partial sum j % PV_LANES (independent chains of adds),
+          // the tail to the first partials, then a pairwise fold; an order that depends on n only.
+          std::fill(acc.begin(), acc.end(), 0.f);
+          int64_t j = 0;
+          for (; j + PV_LANES <= n; j += PV_LANES) {
+            for (int64_t l = 0; l < PV_LANES; ++l) {
+              const float el = e[j + l];
+              const float* __restrict vv = vbase + (j + l) * vl;
+              float* __restrict a = acc.data() + l * D;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) a[d] += el * vv[d];
+            }
+          }
+          for (int64_t l = 0; j < n; ++j, ++l) {
+            const float el = e[j];
+            const float* __restrict vv = vbase + j * vl;
+            float* __restrict a = acc.data() + l * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += el * vv[d];
+          }
+          const int64_t item = (b * T + t) * Hq + h;
+          float* o = op + item * D;
+          const float *a0 = acc.data(), *a1 = a0 + D, *a2 = a1 + D, *a3 = a2 + D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] = ((a0[d] + a1[d]) + (a2[d] + a3[d])) / denom;
+          lp[item] = m + std::log(denom);
+        }
       }
-      exp_shifted(score.data(), m, score.data(), n);
-      float denom = 0.f;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        const float e = score[j];
-        denom += e;
-        const float* vv = vbase + j * vl;
-        for (int64_t d = 0; d < D; ++d) acc[d] += e * vv[d];
-      }
-      float* o = op + item * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / denom;
-      lp[item] = m + std::log(denom);
     }
   });
   return {out, lse};
@@ -534,8 +610,7 @@ std::vector<torch::Tensor> attention(torch::Tensor q, torch::Tensor k, torch::Te
 // forward's log-sum-exp, ds_j = p_j (dO.v_j - dO.out) scale; then dq = sum_j ds_j k_j,
 // dk_j += ds_j q and dv_j += p_j dO. Threads split the (b, kv head) pairs, each of which owns its
 // keys' gradients, and walk their queries and keys in one fixed order: reproducible whatever the
-// thread count. (The scores are recomputed with another summation order than the forward's: a
-// gradient is not compared bit for bit with anything, only reproduced.) Returns (dq, d_keys, d_values) shaped like q, keys and values (values' columns past
+// thread count. Returns (dq, d_keys, d_values) shaped like q, keys and values (values' columns past
 // D get zeros).
 std::vector<torch::Tensor> attention_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                               torch::Tensor positions, torch::Tensor out, torch::Tensor lse,
@@ -549,7 +624,7 @@ std::vector<torch::Tensor> attention_backward(torch::Tensor dout, torch::Tensor 
   out = out.contiguous();
   lse = lse.contiguous();
   positions = positions.contiguous();
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "last dims must be contiguous");
+  TORCH_CHECK(v.stride(3) == 1, "values' last dim must be contiguous");
   TORCH_CHECK(positions.scalar_type() == torch::kInt64, "positions must be int64");
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), L = k.size(2), G = Hq / Hkv, Dv = v.size(3);
@@ -567,54 +642,55 @@ std::vector<torch::Tensor> attention_backward(torch::Tensor dout, torch::Tensor 
   const int64_t kb = k.stride(0), kh = k.stride(1), kl = k.stride(2);
   const int64_t vb = v.stride(0), vh = v.stride(1), vl = v.stride(2);
   const float sc = static_cast<float>(scale);
-  constexpr int64_t W = 16;  // keys per register block
-  const int64_t Lp = (L + W - 1) / W * W;
+  const int64_t Lp = round_up(L, KEY_BLOCK_W);
+  const int64_t kd = k.stride(3);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    // This pair's keys and values transposed (D x Lp, zero-padded), and their gradients likewise:
-    // the loops below then run along the keys, contiguous and vectorised.
-    std::vector<float> kt(D * Lp), vt(D * Lp), dkt(D * Lp), dvt(D * Lp), s(Lp), dp(Lp);
+    // Values transposed like the keys' panel, and the keys' and values' gradients likewise, so that
+    // the loops run along the keys.
+    std::vector<float> panel, vt(D * Lp), dkt(D * Lp), dvt(D * Lp), s(Lp), dp(Lp);
     for (int64_t bg = begin; bg < end; ++bg) {
       const int64_t b = bg / Hkv, g = bg % Hkv;
       int64_t n_max = 0;
       for (int64_t t = 0; t < T; ++t) n_max = std::max(n_max, pp[b * T + t] + 1);
-      std::fill(kt.begin(), kt.end(), 0.f);
-      std::fill(vt.begin(), vt.end(), 0.f);
-      const float *kbase = kp + b * kb + g * kh, *vbase = vp + b * vb + g * vh;
-      for (int64_t j = 0; j < n_max; ++j) {
-        for (int64_t d = 0; d < D; ++d) {
-          kt[d * Lp + j] = kbase[j * kl + d];
-          vt[d * Lp + j] = vbase[j * vl + d];
-        }
-      }
+      int64_t ld = 0;
+      const float* kbase = kp + b * kb + g * kh;
+      const float* kt = key_panel(kbase, kl, kd, L, D, n_max, panel, ld);
+      const float* vbase = vp + b * vb + g * vh;
+      for (int64_t j = 0; j < n_max; ++j)
+        for (int64_t d = 0; d < D; ++d) vt[d * Lp + j] = vbase[j * vl + d];
       std::fill(dkt.begin(), dkt.end(), 0.f);
       std::fill(dvt.begin(), dvt.end(), 0.f);
       for (int64_t t = 0; t < T; ++t) {
-        const int64_t n = pp[b * T + t] + 1, nb = (n + W - 1) / W * W;
+        const int64_t n = pp[b * T + t] + 1;
         for (int64_t h = g * G; h < (g + 1) * G; ++h) {
           const int64_t item = (b * T + t) * Hq + h;
           const float *qv = qp + item * D, *dov = dop + item * D;
           const float delta = dot(dov, op + item * D, D);
-          for (int64_t j0 = 0; j0 < nb; j0 += W) {  // scores and dO.v_j, summed over d in order
-            float sa[W] = {}, da[W] = {};
+          for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK_W) {  // the forward's scores, and dO . v_j
+            float sa[KEY_BLOCK_W] = {}, da[KEY_BLOCK_W] = {};
             for (int64_t d = 0; d < D; ++d) {
               const float qd = qv[d], dod = dov[d];
-              const float *kd = kt.data() + d * Lp + j0, *vd = vt.data() + d * Lp + j0;
+              const float *kr = kt + d * ld + j0, *vr = vt.data() + d * Lp + j0;
 #pragma omp simd
-              for (int64_t l = 0; l < W; ++l) {
-                sa[l] += qd * kd[l];
-                da[l] += dod * vd[l];
+              for (int64_t l = 0; l < KEY_BLOCK_W; ++l) {
+                sa[l] += qd * kr[l];
+                da[l] += dod * vr[l];
               }
             }
-            std::copy_n(sa, W, s.data() + j0);
-            std::copy_n(da, W, dp.data() + j0);
+#pragma omp simd
+            for (int64_t l = 0; l < KEY_BLOCK_W; ++l) {
+              s[j0 + l] = sa[l] * sc;
+              dp[j0 + l] = da[l];
+            }
           }
           const float shift = lp[item];
 #pragma omp simd
           for (int64_t j = 0; j < n; ++j) {
-            const float pj = fast_exp(s[j] * sc - shift);
+            const float pj = fast_exp(s[j] - shift);
             s[j] = pj;                          // s now holds p
             dp[j] = pj * (dp[j] - delta) * sc;  // dp now holds ds
           }
+          float* __restrict dqv = dqp + item * D;
           for (int64_t d = 0; d < D; ++d) {
             const float qd = qv[d], dod = dov[d];
             const float *__restrict ds = dp.data(), *__restrict pr = s.data();
@@ -625,12 +701,15 @@ std::vector<torch::Tensor> attention_backward(torch::Tensor dout, torch::Tensor 
               dvd[j] += pr[j] * dod;
             }
           }
-          float* __restrict dqv = dqp + item * D;  // dq = sum_j ds_j k_j, in key order
-          for (int64_t j = 0; j < n; ++j) {
-            const float dsj = dp[j];
-            const float* __restrict kr = kbase + j * kl;
+          if (kd == 1) {  // dq = sum_j ds_j k_j along the key rows (vectorised over d) ...
+            for (int64_t j = 0; j < n; ++j) {
+              const float dsj = dp[j];
+              const float* __restrict kr = kbase + j * kl;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) dqv[d] += dsj * kr[d];
+              for (int64_t d = 0; d < D; ++d) dqv[d] += dsj * kr[d];
+            }
+          } else {  // ... or along the panel's rows, when the keys are stored transposed
+            for (int64_t d = 0; d < D; ++d) dqv[d] = dot(dp.data(), kt + d * ld, n);
           }
         }
       }
