@@ -91,9 +91,10 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     return _LogSoftmax.apply(x) if torch.is_grad_enabled() else K.log_softmax(x)
 
 
-def sample_rows(logp: torch.Tensor, keys: torch.Tensor, step: int) -> torch.Tensor:
-    """A token per row from logp (N, V) with the counter RNG of engine/sampling.py."""
-    return K.sample_rows(logp, keys, step)
+def sample_rows(logp: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """A token per row from logp (N, V) with the counter RNG of engine/sampling.py at each row's
+    step (int64 (N,))."""
+    return K.sample_rows(logp, keys, steps)
 
 
 class _Linear(torch.autograd.Function):

@@ -3,21 +3,27 @@
 Per call: validate, prefill each distinct prompt once (right-padded batch), copy each prompt's
 cache rows to its samples, then decode all rows in lockstep. Finished rows are dropped from the
 batch once they are half of it; the forward is batch-invariant, so compaction never changes a
-logprob.
+logprob. With a drafter, each step verifies drafted tokens in the same forward
+(engine/speculative.py); what is sampled does not change.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
+from lockstep.engine import speculative as spec
 from lockstep.engine.model import InvariantLM, KVCache
 from lockstep.engine.sampling import RowParams, choose, row_seed
 from lockstep.engine.types import EngineError, SampledSequence, SampleRequest, SampleResult
+
+log = logging.getLogger(__name__)
 
 
 def check_tokens(tokens: Sequence[int], vocab_size: int, what: str) -> None:
@@ -39,6 +45,50 @@ class _Rows:
         return _Rows(self.ids[keep], self.params.select(keep), self.positions[keep], self.cache.select(keep))
 
 
+class _Tape:
+    """Per-sample outputs (flat over all samples of all requests), written one token at a time per
+    row at the row's own index, and the stop rules that end a row."""
+
+    def __init__(self, sampler: "Sampler", requests, owner):
+        S = len(owner)
+        self.sampler = sampler
+        self.stop_ids = sampler._stop_id_table(requests, owner)
+        self.stop_strs = [sampler._stop_strings(requests[i]) for i in owner]
+        self.any_str = any(self.stop_strs)
+        self.max_new = torch.tensor([requests[i].params.max_tokens for i in owner])
+        steps = int(self.max_new.max())
+        self.tokens = torch.zeros(S, steps, dtype=torch.long)
+        self.logprobs = torch.zeros(S, steps, dtype=torch.float32)
+        self.versions = torch.zeros(S, steps, dtype=torch.long)
+        self.n_out = torch.zeros(S, dtype=torch.long)
+        self.stopped = torch.zeros(S, dtype=torch.bool)
+
+    def record(self, ids: torch.Tensor, tokens: torch.Tensor, lps: torch.Tensor, version: int) -> torch.Tensor:
+        """Append one token to each of the samples `ids`; returns which of them have now ended."""
+        at = self.n_out[ids]
+        self.tokens[ids, at] = tokens
+        self.logprobs[ids, at] = lps
+        self.versions[ids, at] = version
+        self.n_out[ids] = at + 1
+        stopped = (self.stop_ids[ids] == tokens.unsqueeze(1)).any(1)
+        if self.any_str:
+            stopped |= self.sampler._string_stops(ids.tolist(), self.tokens, self.n_out, self.stop_strs)
+        self.stopped[ids] = stopped
+        return stopped | (at + 1 >= self.max_new[ids])
+
+    def tokens_of(self, j: int) -> list[int]:
+        return self.tokens[j, : int(self.n_out[j])].tolist()
+
+    def outputs(self) -> "_Out":
+        lengths = self.n_out.tolist()
+        return _Out(
+            tokens=[self.tokens[j, :n].tolist() for j, n in enumerate(lengths)],
+            logprobs=[self.logprobs[j, :n].tolist() for j, n in enumerate(lengths)],
+            versions=[self.versions[j, :n].tolist() for j, n in enumerate(lengths)],
+            reason=["stop" if s else "length" for s in self.stopped.tolist()],
+        )
+
+
 @dataclass
 class _Out:
     """Per-sample outputs (flat over all samples of all requests)."""
@@ -52,12 +102,19 @@ class _Out:
 class Sampler:
     """Samples from an `InvariantLM`; reported logprobs equal the trainer's bit for bit."""
 
-    def __init__(self, model: InvariantLM, tokenizer, *, policy_version: int = 0):
+    def __init__(self, model: InvariantLM, tokenizer, *, policy_version: int = 0, drafter=None, draft_tokens: int = 4):
+        """drafter: None (plain decoding) or a drafter (engine/drafters.py) whose proposals, up to
+        `draft_tokens` per row and step, are verified in the decode step's forward."""
+        if drafter is not None and not (isinstance(draft_tokens, int) and draft_tokens >= 1):
+            raise EngineError(f"draft_tokens must be an integer >= 1, got {draft_tokens!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
         self.eos_id = tokenizer.eos_token_id
         self.policy_version = policy_version
+        self.drafter = drafter
+        self.draft_tokens = draft_tokens
+        self.spec_stats = spec.SpecStats()
 
     # -- public ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -94,7 +151,7 @@ class Sampler:
         P = len(requests)
         lens = [len(r.prompt) for r in requests]
         T = max(lens)
-        capacity = max(len(r.prompt) + r.params.max_tokens for r in requests)
+        capacity = max(len(r.prompt) + r.params.max_tokens for r in requests) + self._draft_room()
         tokens = torch.zeros(P, T, dtype=torch.long)
         for i, r in enumerate(requests):
             tokens[i, : lens[i]] = torch.tensor(r.prompt)
@@ -132,61 +189,134 @@ class Sampler:
         positions = torch.tensor([len(requests[i].prompt) for i in owner])
         return _Rows(torch.arange(len(owner)), params, positions, cache.select(idx))
 
+    def _draft_room(self) -> int:
+        """Cache slots past a completion's last token that a verify forward may write to."""
+        return self.draft_tokens if self.drafter is not None else 0
+
     def _decode(self, requests, owner, rows: _Rows, logits, between_steps) -> _Out:
-        S = len(owner)
-        stop_ids = self._stop_id_table(requests, owner)
-        stop_strs = [self._stop_strings(requests[i]) for i in owner]
-        any_str = any(stop_strs)
-        max_new = torch.tensor([requests[i].params.max_tokens for i in owner])
-        steps = int(max_new.max())
-        tok_buf = torch.zeros(S, steps, dtype=torch.long)
-        lp_buf = torch.zeros(S, steps, dtype=torch.float32)
-        ver_buf = torch.zeros(S, steps, dtype=torch.long)
-        n_out = torch.zeros(S, dtype=torch.long)
-        stopped_all = torch.zeros(S, dtype=torch.bool)
-        alive = torch.ones(S, dtype=torch.bool)
-        step = 0  # every row starts together, so this is each row's token index (its RNG counter)
+        tape = _Tape(self, requests, owner)
+        session = self._draft_session(requests, owner)
+        alive = torch.ones(len(owner), dtype=torch.bool)
         while True:
-            tokens, lps = choose(logits, rows.params, step)
+            # Every live row draws its next token from `logits` at its own token index.
+            tokens, lps = choose(logits, rows.params, tape.n_out[rows.ids])
             ids = rows.ids[alive]
-            tok_live = tokens[alive]
-            tok_buf[ids, step] = tok_live
-            lp_buf[ids, step] = lps[alive]
-            ver_buf[ids, step] = self.policy_version
-            n_out[ids] = step + 1
-            stopped = (stop_ids[ids] == tok_live.unsqueeze(1)).any(1)
-            if any_str:
-                stopped |= self._string_stops(ids.tolist(), tok_buf, n_out, stop_strs)
-            stopped_all[ids] = stopped
-            ended = stopped | (step + 1 >= max_new[ids])
+            ended = tape.record(ids, tokens[alive], lps[alive], self.policy_version)
+            if session is not None:
+                session = self._draft_call(session, "append", ids.tolist(), tokens[alive].tolist())
             alive[alive.clone()] = ~ended
             if not bool(alive.any()):
                 break
-            step += 1
             if int(alive.sum()) <= alive.numel() // 2:
                 keep = alive.nonzero().squeeze(1)
                 rows, tokens, alive = rows.select(keep), tokens[keep], alive[keep]
             if between_steps is not None and between_steps():
-                logits = self._reprefill(rows, [requests[owner[j]].prompt for j in rows.ids.tolist()], tok_buf, n_out)
+                logits = self._reprefill(rows, [requests[owner[j]].prompt for j in rows.ids.tolist()], tape)
                 continue
-            hidden = self.model.hidden_states(tokens.unsqueeze(1), rows.positions.unsqueeze(1), rows.cache)
-            rows.positions = rows.positions + alive.long()  # finished rows stay put (bounded cache)
-            logits = self.model.logits(hidden[:, 0])
-        lengths = n_out.tolist()
-        return _Out(
-            tokens=[tok_buf[j, :n].tolist() for j, n in enumerate(lengths)],
-            logprobs=[lp_buf[j, :n].tolist() for j, n in enumerate(lengths)],
-            versions=[ver_buf[j, :n].tolist() for j, n in enumerate(lengths)],
-            reason=["stop" if s else "length" for s in stopped_all.tolist()],
-        )
+            drafts = lengths = None
+            if session is not None:
+                drafts, lengths, session = self._drafts(session, rows, alive, tape)
+            if drafts is None:  # plain decoding: feed the token, get the next logits
+                hidden = self.model.hidden_states(tokens.unsqueeze(1), rows.positions.unsqueeze(1), rows.cache)
+                rows.positions = rows.positions + alive.long()  # finished rows stay put (bounded cache)
+                logits = self.model.logits(hidden[:, 0])
+            else:
+                logits = self._verify(rows, alive, tokens, drafts, lengths, tape, session)
+        if session is not None:
+            self._draft_call(session, "finish")
+        if self.drafter is not None and session is None:
+            self.spec_stats.plain_fallbacks += 1
+        return tape.outputs()
 
-    def _reprefill(self, rows: _Rows, prompts, tok_buf, n_out) -> torch.Tensor:
+    # -- speculation -------------------------------------------------------------------------
+    def _draft_session(self, requests, owner):
+        if self.drafter is None:
+            return None
+        try:
+            return self.drafter.session([requests[i].prompt for i in owner])
+        except Exception:  # noqa: BLE001 - a drafter never fails a rollout: decode plainly
+            self._drafter_failed()
+            return None
+
+    def _draft_call(self, session, method: str, *args):
+        """session.method(*args) per row, or None (plain decoding from here on) if the drafter fails."""
+        try:
+            if method == "append":
+                for row, token in zip(*args):
+                    session.append(row, (token,))
+            else:
+                getattr(session, method)(*args)
+            return session
+        except Exception:  # noqa: BLE001
+            self._drafter_failed()
+            return None
+
+    def _drafter_failed(self) -> None:
+        self.spec_stats.drafter_errors += 1
+        log.warning("the drafter failed (%d so far); this call decodes without speculation", self.spec_stats.drafter_errors,
+                    exc_info=True)
+
+    def _drafts(self, session, rows: _Rows, alive, tape: _Tape):
+        """(drafts (R, k), lengths (R,), session): each live row's proposal, capped by what it may
+        still emit; drafts None when no row has any (then this step is a plain one)."""
+        started = time.perf_counter()
+        ids = rows.ids.tolist()
+        budgets = (tape.max_new[rows.ids] - tape.n_out[rows.ids]).clamp(min=0) * alive
+        try:
+            drafts, lengths = spec.draft_block(session, ids, budgets.tolist(), self.draft_tokens, pad=0)
+        except Exception:  # noqa: BLE001
+            self._drafter_failed()
+            return None, None, None
+        self.spec_stats.draft_seconds += time.perf_counter() - started
+        width = int(lengths.max()) if lengths.numel() else 0
+        if width == 0:
+            return None, None, session
+        return drafts[:, :width], lengths, session
+
+    def _verify(self, rows: _Rows, alive, tokens, drafts, lengths, tape: _Tape, session) -> torch.Tensor:
+        """Feed each row's token and its drafts in one forward; emit the drafts that the row's own
+        samples confirm (engine/speculative.py); return the logits for each row's next token."""
+        started = time.perf_counter()
+        R, k = drafts.shape
+        feed = torch.cat([tokens.unsqueeze(1), drafts], dim=1)
+        offsets = torch.arange(k + 1).unsqueeze(0) * alive.long().unsqueeze(1)  # finished rows stay put
+        positions = rows.positions.unsqueeze(1) + offsets
+        all_logits = self.model.logits(self.model.hidden_states(feed, positions, rows.cache))  # (R, k+1, V)
+        steps = tape.n_out[rows.ids].unsqueeze(1) + torch.arange(k)
+        picks = rows.params.select(torch.arange(R).repeat_interleave(k))
+        samples, lps = choose(all_logits[:, :k].reshape(R * k, -1), picks, steps.reshape(-1))
+        samples, lps = samples.view(R, k), lps.view(R, k)
+        was_alive = alive.clone()
+        accepting = alive & (lengths > 0)
+        accepted = torch.zeros(R, dtype=torch.long)
+        for i in range(k):  # emit column by column: a stop ends a row's run
+            accepting &= (samples[:, i] == drafts[:, i]) & (i < lengths)
+            if not bool(accepting.any()):
+                break
+            at = accepting.nonzero().squeeze(1)
+            ended = tape.record(rows.ids[at], drafts[at, i], lps[at, i], self.policy_version)
+            self._draft_call(session, "append", rows.ids[at].tolist(), drafts[at, i].tolist())
+            accepted[at] += 1
+            alive[at[ended]] = False
+            accepting[at[ended]] = False
+        fed_until = rows.positions + (k + 1) * was_alive.long()
+        rows.positions = rows.positions + (1 + accepted) * was_alive.long()
+        spec.rollback(rows.cache, rows.positions, fed_until)  # the rejected tokens' slots
+        st = self.spec_stats
+        st.verify_steps += 1
+        st.row_verifies += int((lengths > 0).sum())
+        st.drafted += int(lengths.sum())
+        st.accepted += int(accepted.sum())
+        st.verify_seconds += time.perf_counter() - started
+        return all_logits[torch.arange(R), accepted]
+
+    def _reprefill(self, rows: _Rows, prompts, tape: _Tape) -> torch.Tensor:
         """After a weight swap, rebuild the rows' caches under the new weights.
 
         Every row's prompt and tokens so far are prefilled afresh, so the next token's logprob is
         exactly the new version's given the whole prefix (the trainer's recomputation agrees).
         """
-        seqs = [list(p) + tok_buf[j, : int(n_out[j])].tolist() for p, j in zip(prompts, rows.ids.tolist())]
+        seqs = [list(p) + tape.tokens_of(j) for p, j in zip(prompts, rows.ids.tolist())]
         lens = torch.tensor([len(x) for x in seqs])
         T = int(lens.max())
         tokens = torch.zeros(len(seqs), T, dtype=torch.long)

@@ -27,9 +27,10 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform(keys_R: torch.Tensor, step: int) -> torch.Tensor:
-    """One float64 uniform in (0, 1) per row, a pure function of (row key, step)."""
-    h = _hash32(keys_R ^ (_splitmix64(step) & _M32))
+def uniform(keys_R: torch.Tensor, steps_R: torch.Tensor) -> torch.Tensor:
+    """One float64 uniform in (0, 1) per row, a pure function of (row key, row step)."""
+    mixed = torch.tensor([_splitmix64(s) & _M32 for s in steps_R.tolist()], dtype=torch.int64)
+    h = _hash32(keys_R ^ mixed)
     return (h.double() + 0.5) / 4294967296.0
 
 
@@ -118,17 +119,20 @@ def _fused_sample_rows():
 _sample_rows = _fused_sample_rows()
 
 
-def _draw(logp: torch.Tensor, seeds: torch.Tensor, step: int) -> torch.Tensor:
+def _draw(logp: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw per row at its counter-RNG uniform (one kernel call when built)."""
     if _sample_rows is not None:
-        return _sample_rows(logp, seeds, step)
+        return _sample_rows(logp, seeds, steps)
     cdf = torch.cumsum(torch.exp(logp.double()), dim=-1)
-    u = uniform(seeds, step) * cdf[:, -1]
+    u = uniform(seeds, steps) * cdf[:, -1]
     return torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1).clamp_(max=logp.shape[-1] - 1)
 
 
-def choose(logits: torch.Tensor, p: RowParams, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def choose(logits: torch.Tensor, p: RowParams, step: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; return (tokens, logprob of each under the distribution used).
+
+    `step` is the token index the rows draw for (their RNG counter): one int for all, or one per
+    row (int64 (R,)), as a speculative verify needs.
 
     Each row gets its own parameters' treatment, whatever the other rows ask for: a plain row's
     distribution is exactly the model's `log_softmax` (the trainer's), a shaped row's is computed
@@ -139,7 +143,8 @@ def choose(logits: torch.Tensor, p: RowParams, step: int) -> tuple[torch.Tensor,
     rows = p.shaped_rows
     if rows is not None:
         dist_logp = model_logp.index_copy(0, rows, _shaped_logp(logits.index_select(0, rows), p.select(rows)))
-    tokens = _draw(dist_logp, p.seeds, step)
+    steps = step if isinstance(step, torch.Tensor) else torch.full(p.seeds.shape, step, dtype=torch.int64)
+    tokens = _draw(dist_logp, p.seeds, steps)
     if p.any_greedy:
         tokens = torch.where(p.greedy_R, logits.argmax(-1), tokens)
     return tokens, dist_logp.gather(1, tokens.unsqueeze(1)).squeeze(1)

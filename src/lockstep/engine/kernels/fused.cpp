@@ -409,24 +409,26 @@ double uniform(int64_t key, uint64_t mixed_step) {
 namespace lockstep {
 
 // One token per row from the distribution logp (N, V): the inverse CDF (exp summed in float64, in
-// order) at the row's uniform draw for (keys[r], step), as engine/sampling.py's choose does.
-torch::Tensor sample_rows(torch::Tensor logp, torch::Tensor keys, int64_t step) {
+// order) at the row's uniform draw for (keys[r], steps[r]), as engine/sampling.py's choose does.
+// steps (N) is each row's token index (rows of a speculative verify are at different ones).
+torch::Tensor sample_rows(torch::Tensor logp, torch::Tensor keys, torch::Tensor steps) {
   check_f32(logp, "logp");
   TORCH_CHECK(keys.scalar_type() == torch::kInt64 && keys.numel() == logp.size(0), "keys must be int64 (N)");
+  TORCH_CHECK(steps.scalar_type() == torch::kInt64 && steps.numel() == logp.size(0), "steps must be int64 (N)");
   logp = logp.contiguous();
   keys = keys.contiguous();
+  steps = steps.contiguous();
   const int64_t N = logp.size(0), V = logp.size(1);
   auto tokens = torch::empty({N}, keys.options());
   const float* lp = logp.data_ptr<float>();
-  const int64_t* kp = keys.data_ptr<int64_t>();
+  const int64_t *kp = keys.data_ptr<int64_t>(), *sp = steps.data_ptr<int64_t>();
   int64_t* tp = tokens.data_ptr<int64_t>();
-  const uint64_t mixed = splitmix64(static_cast<uint64_t>(step));
   at::parallel_for(0, N, grain(4 * V), [&](int64_t begin, int64_t end) {
     std::vector<double> cdf(V);
     for (int64_t r = begin; r < end; ++r) {
       double total = 0.0;
       for (int64_t j = 0; j < V; ++j) cdf[j] = total += std::exp(static_cast<double>(lp[r * V + j]));
-      const double u = uniform(kp[r], mixed) * total;
+      const double u = uniform(kp[r], splitmix64(static_cast<uint64_t>(sp[r]))) * total;
       const int64_t pick = std::upper_bound(cdf.begin(), cdf.end(), u) - cdf.begin();  // first cdf > u
       tp[r] = std::min(pick, V - 1);
     }

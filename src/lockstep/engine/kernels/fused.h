@@ -17,7 +17,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor silu_mul_backward(torch::Tensor dy, torch::Tensor gate_up);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor ssin);
 torch::Tensor log_softmax(torch::Tensor x);
-torch::Tensor sample_rows(torch::Tensor logp, torch::Tensor keys, int64_t step);
+torch::Tensor sample_rows(torch::Tensor logp, torch::Tensor keys, torch::Tensor steps);
 void cache_write(torch::Tensor keys, torch::Tensor values, torch::Tensor k, torch::Tensor v, torch::Tensor positions);
 std::vector<torch::Tensor> attention_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                               torch::Tensor positions, torch::Tensor out, torch::Tensor lse,

@@ -1,0 +1,225 @@
+"""Speculative decoding (engine/speculative.py, engine/drafters.py): drafts verified in one forward
+never change what is sampled, nor a logprob; the cache after a rejection is as if the rejected
+tokens had never been fed; a failing drafter only costs speed."""
+
+import math
+
+import pytest
+import torch
+
+from lockstep.engine import speculative as spec
+from lockstep.engine.drafters import SuffixDrafter
+from lockstep.engine.loading import load_model
+from lockstep.engine.model import InvariantLM
+from lockstep.engine.sampler import Sampler
+from lockstep.engine.types import EngineError, SampleRequest, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_tok(qwen2_dir):
+    hf, tok = load_model(qwen2_dir)
+    return InvariantLM(hf), tok
+
+
+def _requests(tok, n_prompts=6, samples=4, **params):
+    return [SampleRequest(tuple(tok.encode(f"{i * 37 % 1000}+{i * 91 % 1000}=")),
+                          SamplingParams(seed=i, **params), num_samples=samples) for i in range(n_prompts)]
+
+
+class _FixedDraft:
+    """A point-mass drafter: always proposes the same token."""
+
+    def __init__(self, token):
+        self.token = token
+
+    def session(self, prompts):
+        return self
+
+    def append(self, row, tokens):
+        pass
+
+    def propose(self, row, k):
+        return [self.token] * k
+
+    def finish(self):
+        pass
+
+
+CASES = {
+    "greedy": dict(max_tokens=24, temperature=0.0, stop=()),
+    "temperature 1": dict(max_tokens=24, stop=()),
+    "top-p and temperature, a stop string": dict(max_tokens=24, top_p=0.8, temperature=0.7, stop=("\n",)),
+    "top-k": dict(max_tokens=20, top_k=5),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_outputs_and_logprobs_equal_plain_decoding(case, model_tok):
+    """Every token and logprob equals plain decoding's (same seeds): with the suffix drafter, over
+    two calls so that it also drafts from earlier completions of the same prompts, and with a
+    drafter that is mostly wrong, so that rejections are exercised as much as acceptances."""
+    model, tok = model_tok
+    plain = Sampler(model, tok)
+    suffix = Sampler(model, tok, drafter=SuffixDrafter(), draft_tokens=4)
+    wrong = Sampler(model, tok, drafter=_FixedDraft(tok.encode("7")[0]), draft_tokens=3)
+    for _ in range(2):
+        reqs = _requests(tok, **CASES[case])
+        want = [r.sequences for r in plain.sample(reqs)]
+        assert [r.sequences for r in suffix.sample(reqs)] == want
+        assert [r.sequences for r in wrong.sample(reqs)] == want
+    assert suffix.spec_stats.accepted > 0 and wrong.spec_stats.drafted > wrong.spec_stats.accepted
+    assert suffix.spec_stats.drafter_errors == wrong.spec_stats.drafter_errors == 0
+
+
+def test_accepted_tokens_logprobs_equal_the_trainers_recomputation(model_tok):
+    model, tok = model_tok
+    fast = Sampler(model, tok, drafter=SuffixDrafter(), draft_tokens=6)
+    reqs = _requests(tok, n_prompts=3, samples=3, max_tokens=30, stop=())
+    fast.sample(reqs)
+    for r, q in zip(fast.sample(reqs), reqs):
+        for s in r.sequences:
+            full = torch.tensor([list(q.prompt) + list(s.tokens)])
+            with torch.no_grad():
+                lp = model.logprobs_of(model.hidden_states(full[:, :-1]), full[:, 1:])[0]
+            assert lp[len(q.prompt) - 1 :].tolist() == list(s.logprobs)
+    assert fast.spec_stats.mean_accepted > 0.5
+
+
+def _target_probs(model, seq, top_p):
+    with torch.no_grad():
+        p = torch.softmax(model.logits(model.hidden_states(torch.tensor([seq])))[0, -1], -1).double()
+    if top_p < 1:
+        order = p.argsort(descending=True)
+        mass_before = p[order].cumsum(0) - p[order]
+        keep = torch.zeros_like(p, dtype=torch.bool)
+        keep[order[mass_before < top_p]] = True
+        p = torch.where(keep, p, torch.zeros_like(p))
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_a_verified_token_follows_the_targets_distribution(top_p, qwen2_dir):
+    """Chi-square test of the second token, which a drafter proposing one fixed token always tries
+    (kept with probability p(d), else the sample comes from the residual): over 20,000 seeds,
+    grouped by the first token, the second token's counts match the target's probabilities (the
+    trainer's forward, with the row's top-p applied); the statistics of the groups are summed."""
+    hf, tok = load_model(qwen2_dir)
+    with torch.no_grad():  # sharper distributions (a random model's are near uniform), as a trained model's
+        hf.model.norm.weight.mul_(4.0)
+    model = InvariantLM(hf)
+    prompt = tuple(tok.encode("12+34="))
+    d = tok.encode("5")[0]
+    fast = Sampler(model, tok, drafter=_FixedDraft(d), draft_tokens=1)
+    n = 20_000
+    out = fast.sample([SampleRequest(prompt, SamplingParams(max_tokens=2, seed=s, stop=(), top_p=top_p))
+                       for s in range(n)])
+    pairs = torch.tensor([r.sequences[0].tokens for r in out])
+    assert fast.spec_stats.accepted > 0 and fast.spec_stats.drafted > fast.spec_stats.accepted
+    chi2, dof = 0.0, 0
+    firsts, sizes = pairs[:, 0].unique(return_counts=True)
+    for c in firsts[sizes >= 100].tolist():
+        seconds = pairs[pairs[:, 0] == c, 1]
+        p = _target_probs(model, list(prompt) + [c], top_p)
+        counts = torch.bincount(seconds, minlength=p.numel()).double()
+        assert counts[p == 0].sum() == 0  # nothing outside the row's top-p set
+        expected = p * seconds.numel()
+        big = expected >= 5
+        observed = torch.cat([counts[big], counts[~big].sum().unsqueeze(0)])
+        wanted = torch.cat([expected[big], expected[~big].sum().unsqueeze(0)])
+        if wanted[-1] < 5:  # fold a thin tail into the smallest bin
+            observed[-2] += observed[-1]
+            wanted[-2] += wanted[-1]
+            observed, wanted = observed[:-1], wanted[:-1]
+        chi2 += float(((observed - wanted) ** 2 / wanted).sum())
+        dof += observed.numel() - 1
+    assert dof >= 20, (dof, sizes.max())
+    # Wilson-Hilferty: the chi-square quantile at p = 1e-4 (z = 3.72)
+    limit = dof * (1 - 2 / (9 * dof) + 3.72 * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < limit, (chi2, limit, dof)
+
+
+def test_rollback_leaves_the_cache_as_if_the_rejected_tokens_were_never_fed(model_tok):
+    model, _ = model_tok
+    prompt, fed = [5, 6, 7, 8], [9, 10, 11, 12]
+    with torch.no_grad():
+        spec_cache, plain_cache = model.new_cache(1, 16), model.new_cache(1, 16)
+        for cache in (spec_cache, plain_cache):
+            model.hidden_states(torch.tensor([prompt]), torch.arange(4).unsqueeze(0), cache)
+        model.hidden_states(torch.tensor([fed]), torch.arange(4, 8).unsqueeze(0), spec_cache)  # 4 fed
+        model.hidden_states(torch.tensor([fed[:2]]), torch.arange(4, 6).unsqueeze(0), plain_cache)  # 2 kept
+    spec.rollback(spec_cache, torch.tensor([6]), torch.tensor([8]))
+    for a, b in zip(spec_cache.k + spec_cache.v1, plain_cache.k + plain_cache.v1):
+        assert torch.equal(a, b)
+
+
+class _Broken(_FixedDraft):
+    def __init__(self, where):
+        super().__init__(7)
+        self.where = where
+
+    def session(self, prompts):
+        if self.where == "session":
+            raise RuntimeError("drafter down")
+        return self
+
+    def propose(self, row, k):
+        if self.where == "propose":
+            raise RuntimeError("drafter down")
+        return super().propose(row, k)
+
+
+@pytest.mark.parametrize("where", ["session", "propose"])
+def test_a_failing_drafter_degrades_to_plain_decoding(where, model_tok):
+    model, tok = model_tok
+    reqs = _requests(tok, n_prompts=2, samples=2, max_tokens=12, stop=())
+    fast = Sampler(model, tok, drafter=_Broken(where))
+    assert [r.sequences for r in fast.sample(reqs)] == [r.sequences for r in Sampler(model, tok).sample(reqs)]
+    assert fast.spec_stats.drafter_errors == 1 and fast.spec_stats.plain_fallbacks == 1
+
+
+def test_hot_swap_with_speculation_keeps_every_logprob_exact(qwen2_dir):
+    """Weights swapped between verify steps: every token records the version whose forward scored it,
+    and its logprob equals the trainer's recomputation under that version."""
+    hf, tok = load_model(qwen2_dir)
+    model = InvariantLM(hf)
+    sampler = Sampler(model, tok, drafter=SuffixDrafter(), draft_tokens=3)
+    params = dict(hf.named_parameters())
+    old = {n: p.detach().clone() for n, p in params.items()}
+    g = torch.Generator().manual_seed(0)
+    new = {n: p + 0.05 * torch.randn(p.shape, generator=g) for n, p in old.items()}
+    calls = {"n": 0}
+
+    def swap():
+        calls["n"] += 1
+        if calls["n"] != 3:
+            return False
+        for n, p in params.items():
+            p.data = new[n]
+        sampler.policy_version = 1
+        return True
+
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [8] * 12]
+    res = sampler.sample([SampleRequest(tuple(p), SamplingParams(max_tokens=16, seed=i, stop=()), num_samples=2)
+                          for i, p in enumerate(prompts)], between_steps=swap)
+    assert sampler.spec_stats.accepted > 0
+    for p, r in zip(prompts, res):
+        for s in r.sequences:
+            versions = list(s.token_versions)
+            assert versions == sorted(versions) and versions[0] == 0 and versions[-1] == 1
+            for version, weights in ((0, old), (1, new)):
+                for n, w in params.items():
+                    w.data = weights[n]
+                full = torch.tensor([list(p) + list(s.tokens)])
+                with torch.no_grad():
+                    lp = model.logprobs_of(model.hidden_states(full[:, :-1]), full[:, 1:])[0, len(p) - 1 :]
+                mine = [i for i, v in enumerate(versions) if v == version]
+                assert [lp[i].item() for i in mine] == [s.logprobs[i] for i in mine]
+
+
+def test_bad_draft_settings_are_refused(model_tok):
+    model, tok = model_tok
+    for k in (0, -1, 2.5):
+        with pytest.raises(EngineError, match="draft_tokens"):
+            Sampler(model, tok, drafter=SuffixDrafter(), draft_tokens=k)
+    with pytest.raises(ValueError, match="max_ngram"):
+        SuffixDrafter(max_ngram=0)
