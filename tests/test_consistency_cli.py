@@ -36,6 +36,24 @@ def test_every_sampled_token_is_bitwise_equal(which, path, qwen2_dir, tmp_path):
 
 
 @pytest.mark.parametrize("path", ["fused", "eager"])
+def test_speculative_decoding_keeps_every_token_bitwise_equal(path, tmp_path):
+    """`--speculative suffix`: the sampler verifies drafted tokens in its forward; every sampled
+    token's logprob still equals the trainer's, and drafts were really accepted."""
+    code, report = _check("--speculative", "suffix", "--draft-tokens", "3", home=tmp_path, LOCKSTEP_KERNELS=path)
+    assert code == 0
+    assert report["tokens_bitwise_equal"] == report["tokens_compared"] >= 6000
+    spec = report["speculative"]
+    assert spec["drafter"] == "suffix" and spec["draft_tokens"] == 3
+    assert spec["drafted"] > spec["accepted"] > 0
+
+
+def test_an_unknown_drafter_is_refused(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "lockstep.cli", "check", "consistency", "--speculative", "tree"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "invalid choice: 'tree'" in proc.stderr and "suffix" in proc.stderr
+
+
+@pytest.mark.parametrize("path", ["fused", "eager"])
 def test_a_mixture_of_experts_samples_and_routes_exactly_as_it_trains(path, moe_dir, tmp_path):
     """Qwen3-MoE: every sampled token's logprob, and every token's expert choice in every MoE
     layer, equal between the sampler's decode and the trainer's forward (no routing replay)."""

@@ -16,7 +16,8 @@ def _cmd_check_consistency(args) -> int:
     from lockstep.engine.tiny import ensure_tiny_model
 
     model_dir = args.model or str(ensure_tiny_model())
-    report = consistency.run(model_dir, seed=args.seed, max_tokens=args.max_tokens)
+    report = consistency.run(model_dir, seed=args.seed, max_tokens=args.max_tokens, speculative=args.speculative,
+                             draft_tokens=args.draft_tokens)
     console = Console(stderr=args.json)
     table = Table(title=f"sampler vs trainer logprobs — {model_dir}")
     for col in ("path", "lora", "batch", "threads (sampler, trainer)", "tokens", "bitwise equal", "max |Δlogp|"):
@@ -34,6 +35,10 @@ def _cmd_check_consistency(args) -> int:
         f"transformers: {report['hf']['tokens_bitwise_equal']}/{report['hf']['tokens_compared']}, "
         f"max |Δlogp| {report['hf']['max_abs_diff']:.3g}"
     )
+    if report["speculative"]["drafter"] != "off":
+        sp = report["speculative"]
+        console.print(f"speculative decoding ({sp['drafter']} drafter, up to {sp['draft_tokens']} a step): "
+                      f"{sp['accepted']} of {sp['drafted']} drafted tokens accepted")
     if report["moe"]:
         ok = ok and report["routing_equal"] == report["routing_compared"]
         console.print(f"lockstep: {report['routing_equal']}/{report['routing_compared']} expert choices equal "
@@ -41,6 +46,16 @@ def _cmd_check_consistency(args) -> int:
     if args.json:
         print(json.dumps(report))
     return 0 if ok else 1
+
+
+DRAFTER_CHOICES = ("off", "suffix")  # engine/drafters.py DRAFTERS (the CLI module does not import the engine)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
 
 
 PREEMPTED_EXIT = 75
@@ -392,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
     cons.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     cons.add_argument("--seed", type=int, default=0)
     cons.add_argument("--max-tokens", type=int, default=16)
+    cons.add_argument("--speculative", choices=DRAFTER_CHOICES, default="off",
+                      help="decode speculatively with this drafter (outputs must stay bit for bit)")
+    cons.add_argument("--draft-tokens", type=_positive_int, default=4, help="tokens drafted per row and step")
     cons.set_defaults(func=_cmd_check_consistency)
     serve = sub.add_parser("serve", help="the Tinker API and job service (starts a worker too)")
     serve.add_argument("--host", default="127.0.0.1")

@@ -6,8 +6,11 @@ full-sequence forward, on a separate copy of the weights (as after a weight publ
 of thread counts in THREADS (sampler, trainer): 1, 2 and 4 threads on either side. The summary says
 which forward ran ("fused" kernels or the "eager" pure-PyTorch path) and why. For a mixture of
 experts it also compares every token's expert choices (sampler decode against trainer forward):
-`routing_equal` of `routing_compared` (LoRA-on cases are skipped: not supported there yet). The same is measured for plain transformers (`generate` with
-`output_logits` against a padded full forward) as the comparison.
+`routing_equal` of `routing_compared` (LoRA-on cases are skipped: not supported there yet). With
+`speculative` set to a drafter, the sampler decodes speculatively (drafts verified in its
+forward; every other prompt greedily, so that drafts are accepted even on an untrained model), and
+the summary counts the drafted and accepted tokens. The same is measured for plain
+transformers (`generate` with `output_logits` against a padded full forward) as the comparison.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lockstep.engine.drafters import make_drafter
 from lockstep.engine.model import InvariantLM, RoutingLog
 from lockstep.engine.sampler import Sampler
 from lockstep.engine.trainer import Trainer
@@ -87,13 +91,18 @@ def _threads(n: int):
 
 
 def _invariant_case(trainer: Trainer, prompts, max_tokens: int, seed: int, threads: tuple[int, int],
-                    tally: Tally) -> dict:
+                    tally: Tally, speculative: dict) -> dict:
     sampler_model = InvariantLM(copy.deepcopy(trainer.hf_model))  # a published copy
     sampler_model.routing = RoutingLog()
-    sampler = Sampler(sampler_model, trainer.tokenizer)
+    sampler = Sampler(sampler_model, trainer.tokenizer, drafter=make_drafter(speculative["drafter"]),
+                      draft_tokens=speculative["draft_tokens"])
     params = SamplingParams(max_tokens=max_tokens, seed=seed, stop=())
+    # With speculation, every other prompt decodes greedily: an untrained model's samples at
+    # temperature 1 are noise that no drafter predicts, and the check must see drafts accepted too.
+    greedy = SamplingParams(max_tokens=max_tokens, seed=seed, stop=(), temperature=0.0)
     with _threads(threads[0]):
-        results = sampler.sample([SampleRequest(p, params) for p in prompts])
+        results = sampler.sample([SampleRequest(p, greedy if speculative["drafter"] != "off" and i % 2 else params)
+                                  for i, p in enumerate(prompts)])
     data, sampled = [], []
     for p, r in zip(prompts, results):
         seq = r.sequences[0]
@@ -109,6 +118,8 @@ def _invariant_case(trainer: Trainer, prompts, max_tokens: int, seed: int, threa
         "target_tokens"][-1])] for d in data], prompts, threads[1])
     tally.routing_compared += routing[0]
     tally.routing_equal += routing[1]
+    speculative["drafted"] += sampler.spec_stats.drafted
+    speculative["accepted"] += sampler.spec_stats.accepted
     return {"tokens": n, "equal": eq, "max_abs_diff": mx, "routing_compared": routing[0], "routing_equal": routing[1]}
 
 
@@ -184,8 +195,11 @@ def is_moe(model_dir: str) -> bool:
     return read_config(model_dir).get("model_type") in ("qwen3_moe", "mixtral")
 
 
-def run(model_dir: str, *, seed: int = 0, max_tokens: int = 16, lora_rank: int = 8) -> dict:
+def run(model_dir: str, *, seed: int = 0, max_tokens: int = 16, lora_rank: int = 8, speculative: str = "off",
+        draft_tokens: int = 4) -> dict:
     """Run the workload; return the summary dict (see module docstring)."""
+    make_drafter(speculative)  # an unknown name fails before any work
+    spec = {"drafter": speculative, "draft_tokens": draft_tokens, "drafted": 0, "accepted": 0}
     rng = random.Random(seed)
     ours, hf = Tally(), Tally()
     moe = is_moe(model_dir)
@@ -199,10 +213,10 @@ def run(model_dir: str, *, seed: int = 0, max_tokens: int = 16, lora_rank: int =
             prompts = _prompts(rng, bs, trainer.vocab_size)
             case = {"lora": lora_on, "batch": bs}
             for threads in THREADS:
-                result = _invariant_case(trainer, prompts, max_tokens, seed + bs, threads, ours)
+                result = _invariant_case(trainer, prompts, max_tokens, seed + bs, threads, ours, spec)
                 ours.cases.append({**case, "threads": list(threads), **result})
             hf.cases.append({**case, **_hf_case(plain, prompts, max_tokens, seed + bs, pad, hf)})
     from lockstep.engine.invariant import MKL_MODE
 
     return {**ours.summary(), "moe": moe, "path": trainer.model.path, "path_reason": trainer.model.path_reason,
-            "mkl_mode": MKL_MODE, "cases": ours.cases, "hf": {**hf.summary(), "cases": hf.cases}}
+            "mkl_mode": MKL_MODE, "speculative": spec, "cases": ours.cases, "hf": {**hf.summary(), "cases": hf.cases}}

@@ -8,6 +8,20 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
+from lockstep.engine.types import EngineError
+
+DRAFTERS = ("off", "suffix")
+"""Drafters by name (`rollout.speculative.drafter`, `lockstep check consistency --speculative`)."""
+
+
+def make_drafter(name: str, **options):
+    """The drafter called `name` (None for "off"), built with its own options."""
+    if name == "off":
+        return None
+    if name == "suffix":
+        return SuffixDrafter(**options)
+    raise EngineError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
+
 
 class _PromptIndex:
     """Every sequence seen for one prompt (the prompt itself, its earlier completions, the rows now
@@ -49,8 +63,9 @@ class SuffixDrafter:
     last tokens. The indexes of the `max_prompts` most recently seen prompts are kept."""
 
     def __init__(self, *, max_ngram: int = 4, window: int = 16, max_prompts: int = 1024):
-        if max_ngram < 1 or window < 0 or max_prompts < 1:
-            raise ValueError("max_ngram >= 1, window >= 0 and max_prompts >= 1 are required")
+        for key, value, least in (("max_ngram", max_ngram, 1), ("window", window, 0), ("max_prompts", max_prompts, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise EngineError(f"suffix drafter: {key} must be an integer >= {least}, got {value!r}")
         self.max_ngram, self.window, self.max_prompts = max_ngram, window, max_prompts
         self._prompts: OrderedDict[tuple[int, ...], _PromptIndex] = OrderedDict()
 
