@@ -101,6 +101,24 @@ def test_multi_turn_episodes_run_in_the_loop(tmp_path, builtin_dir):
     check_ledger(tmp_path / "run", 4, 4)
 
 
+def test_speculative_decoding_in_the_loop_keeps_logprobs_exact(tmp_path, builtin_dir):
+    """rollout.speculative.drafter = "suffix": the generator verifies drafts from the group's other
+    samples and earlier completions of the same prompt; on-policy, the trainer still recomputes
+    every sampled token's logprob exactly, and the acceptance goes to the metrics."""
+    spec = load(None, [*TINY, f"model.path='{builtin_dir}'", "rl.max_staleness=0", "rollout.speculative.drafter=suffix",
+                       "rollout.speculative.draft_tokens=3"])
+    run(spec, tmp_path / "run")
+    d = tmp_path / "run"
+    assert json.loads((d / "config.json").read_text())["rollout"]["speculative"]["drafter"] == "suffix"
+    rl = [r for r in records(d) if "rollout/reward_mean" in r]
+    assert len(rl) == 4
+    assert all(r["mismatch/abs"] == 0.0 and r["mismatch/ess"] == 1.0 for r in rl)
+    assert sum(r["speculative/drafted"] for r in rl) > sum(r["speculative/accepted"] for r in rl) > 0
+    assert all(0.0 <= r["speculative/acceptance"] <= 1.0 and r["speculative/drafter_errors"] == 0 for r in rl)
+    assert all(r["time/verify_s"] >= 0 for r in rl)
+    check_ledger(d, 4, 4)
+
+
 def test_a_mixture_of_experts_trains_its_chosen_experts_in_the_loop(tmp_path, moe_dir):
     """A Qwen3-MoE through SFT and async RL with model.train_experts = [1]: the run's records carry
     each MoE layer's router load, RL stays on-policy exactly (the routing agrees), and in the final

@@ -15,9 +15,9 @@ import typing
 from pathlib import Path
 from typing import Any, Sequence
 
-from lockstep.config.types import ConfigError, EnvSpec, ModelSpec, RunSpec, RuntimeSpec, StageSpec
+from lockstep.config.types import ConfigError, EnvSpec, ModelSpec, RolloutSpec, RunSpec, RuntimeSpec, StageSpec
 
-_SECTIONS = {"model": ModelSpec, "env": EnvSpec, "runtime": RuntimeSpec}
+_SECTIONS = {"model": ModelSpec, "env": EnvSpec, "runtime": RuntimeSpec, "rollout": RolloutSpec}
 
 
 def _suggest(key: str, options: Sequence[str]) -> str:
@@ -51,7 +51,8 @@ def _build(cls, data: dict, path: str):
     for key in data:
         if key not in fields:
             raise ConfigError(f"{path}.{key}: unknown key{_suggest(key, fields)}")
-    kwargs = {k: _coerce(f"{path}.{k}", v, hints[k]) for k, v in data.items()}
+    kwargs = {k: _build(hints[k], v, f"{path}.{k}") if dataclasses.is_dataclass(hints[k])
+              else _coerce(f"{path}.{k}", v, hints[k]) for k, v in data.items()}
     return cls(**kwargs)
 
 

@@ -216,6 +216,44 @@ def default_stages() -> tuple[StageSpec, ...]:
     )
 
 
+DRAFTERS = ("off", "suffix")
+"""engine/drafters.py's drafters by name (the config layer does not import the engine)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeSpec:
+    """Speculative decoding in the generator: drafts verified in the decode step's forward. What is
+    sampled and every logprob stay exactly those of plain decoding; only the speed changes."""
+
+    drafter: str = "off"
+    """"off", or "suffix": model-free drafts from the prompt, the group's other samples and the
+    last completions of the same prompt."""
+    draft_tokens: int = 4
+    """Tokens drafted per row and decode step (k)."""
+    max_ngram: int = 4
+    """suffix: the longest suffix of a row matched against the index."""
+    window: int = 16
+    """suffix: earlier completions of each prompt kept for drafting."""
+
+    def __post_init__(self) -> None:
+        p = "rollout.speculative"
+        _require(self.drafter in DRAFTERS, f"{p}.drafter", f"one of {list(DRAFTERS)}", self.drafter)
+        _require(isinstance(self.draft_tokens, int) and 1 <= self.draft_tokens <= 64, f"{p}.draft_tokens",
+                 "an integer in [1, 64]", self.draft_tokens)
+        _require(isinstance(self.max_ngram, int) and 1 <= self.max_ngram <= 64, f"{p}.max_ngram", "an integer in [1, 64]",
+                 self.max_ngram)
+        _require(isinstance(self.window, int) and 0 <= self.window <= 4096, f"{p}.window", "an integer in [0, 4096]",
+                 self.window)
+
+    def drafter_options(self) -> dict:
+        return {"max_ngram": self.max_ngram, "window": self.window} if self.drafter == "suffix" else {}
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    speculative: SpeculativeSpec = field(default_factory=SpeculativeSpec)
+
+
 @dataclass(frozen=True)
 class RuntimeSpec:
     ray_address: str = ""
@@ -253,6 +291,7 @@ class RunSpec:
     env: EnvSpec = field(default_factory=EnvSpec)
     stages: tuple[StageSpec, ...] = field(default_factory=default_stages)
     runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
+    rollout: RolloutSpec = field(default_factory=RolloutSpec)
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -11,6 +11,8 @@ again, so a restart that happens between two calls is noticed rather than traine
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 import time
 import uuid
@@ -138,13 +140,17 @@ class GeneratorActor:
     exactly that of the version it records.
     """
 
-    def __init__(self, model_path: str, lora_rank: int, lora_alpha: float, threads: int):
+    def __init__(self, model_path: str, lora_rank: int, lora_alpha: float, threads: int, speculative=None):
+        """speculative: a config SpeculativeSpec (None: plain decoding)."""
         _set_threads(threads)
+        from lockstep.engine.drafters import make_drafter
         from lockstep.engine.sampler import Sampler
 
         trainer = _load(model_path, lora_rank, lora_alpha)  # same module tree and parameter names
         self.params = trainer.params
-        self.sampler = Sampler(trainer.model, trainer.tokenizer)
+        drafter = make_drafter(speculative.drafter, **speculative.drafter_options()) if speculative else None
+        self.sampler = Sampler(trainer.model, trainer.tokenizer, drafter=drafter,
+                               draft_tokens=speculative.draft_tokens if speculative else 4)
         self._pending: tuple | None = None
         self._lock = threading.Lock()
         self.busy_s = 0.0
@@ -197,7 +203,7 @@ class GeneratorActor:
         lat = self.swap_latency_s
         return {"version": self.sampler.policy_version, "busy_s": self.busy_s, "incarnation": self.incarnation,
                 "swap_latency_s_max": max(lat) if lat else 0.0, "swap_latency_s_last": lat[-1] if lat else 0.0,
-                "swaps": len(lat)}
+                "swaps": len(lat), "speculative": dataclasses.asdict(self.sampler.spec_stats)}
 
 
 def _log_envs_to(path: str) -> None:

@@ -96,7 +96,7 @@ def build(spec: RunSpec, plan: Plan, model_path: str, run_dir: Path) -> ctl.Comp
     trainer = TrainerActor.options(num_cpus=plan.trainer_cpus, name=name("trainer"), **opts).remote(
         model_path, m.lora_rank, m.lora_alpha, r.trainer_threads, m.train_experts)
     generator = GeneratorActor.options(num_cpus=plan.generator_cpus, name=name("generator"), **opts).remote(
-        model_path, m.lora_rank, m.lora_alpha, r.generator_threads)
+        model_path, m.lora_rank, m.lora_alpha, r.generator_threads, spec.rollout.speculative)
     envs = [EnvWorker.options(num_cpus=plan.env_cpus, name=name(f"env{i}"), **opts).remote(
         model_path, name("generator"), retries=spec.env.retries, timeout_s=spec.env.timeout_s, call_timeout_s=r.call_timeout_s,
         log_path=str(run_dir / "envs.log"))

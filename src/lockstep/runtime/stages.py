@@ -195,6 +195,19 @@ class Run(RunDirectory):
         record.update(router_record(metrics))
         return record
 
+    def _speculative_record(self, state: dict) -> dict:
+        """The generator's speculative-decoding counters since the last step (none when it is off)."""
+        if self.spec.rollout.speculative.drafter == "off":
+            return {}
+        now = self.c.stat("generator")["speculative"]
+        last, state["spec"] = state.get("spec") or {k: 0 for k in now}, now
+        d = {k: now[k] - last.get(k, 0) for k in now}
+        return {"speculative/acceptance": d["accepted"] / d["drafted"] if d["drafted"] else 0.0,
+                "speculative/accepted_per_verify": d["accepted"] / d["row_verifies"] if d["row_verifies"] else 0.0,
+                "speculative/drafted": d["drafted"], "speculative/accepted": d["accepted"],
+                "speculative/drafter_errors": d["drafter_errors"], "time/draft_s": d["draft_seconds"],
+                "time/verify_s": d["verify_seconds"]}
+
     def rl(self, stage: StageSpec, index: int) -> float:
         cpus = self.plan.num_cpus
         balancer = ThreadBalancer(cpus)
@@ -215,6 +228,7 @@ class Run(RunDirectory):
             self.pos["global_step"] += 1
             self.pos["stage_step"], self.pos["stage_elapsed"] = step, time.time() - started
             record = self._rl_record(index, batch, metrics, counts, now - state["last"])
+            record.update(self._speculative_record(state))
             self.c.stats["tokens/trained"] += sum(len(g.prompt) + len(x.tokens) for g in batch for x in g.samples)
             state["last"] = now
             self.metrics.log(self.pos["global_step"], record)
