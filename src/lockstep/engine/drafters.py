@@ -46,9 +46,21 @@ class _PromptIndex:
         self.indexed_tokens += 1
 
     def propose(self, seq: list[int], k: int) -> list[int]:
-        """The tokens that followed the longest recent match of seq's suffix (up to k)."""
-        for n in range(min(self.max_ngram, len(seq)), 0, -1):
-            hit = self.index.get(tuple(seq[-n:]))
+        """Up to k tokens: what followed the longest recent match of seq's suffix, and, while that
+        runs out early (the match was near the end of its sequence, as in any repetition), what
+        followed the match of the suffix extended by the draft so far."""
+        out: list[int] = []
+        while len(out) < k:
+            tail = (seq[-self.max_ngram :] + out)[-self.max_ngram :]
+            more = self._continuation(tail, k - len(out))
+            if not more:
+                break
+            out += more
+        return out
+
+    def _continuation(self, tail: list[int], k: int) -> list[int]:
+        for n in range(len(tail), 0, -1):
+            hit = self.index.get(tuple(tail[-n:]))
             if hit is not None:
                 source, j = hit
                 return source[j : j + k]
