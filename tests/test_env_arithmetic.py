@@ -59,3 +59,32 @@ def test_a_user_suite_is_named_module_colon_function(tok):
         make_suite(EnvSpec(name="nopkg:make"), tok, seed=0)
     with pytest.raises(EnvError, match="has no function 'nothing'"):
         make_suite(EnvSpec(name="lockstep.envs.arithmetic:nothing"), tok, seed=0)
+
+
+def test_long_addition_works_the_sum_column_by_column_and_grades_the_result(tok):
+    """env.name = "long_addition": 7 digits by default, answers of 64+ tokens with a worked scratchpad;
+    only the final sum (after the last "|", then EOS) is graded; max_tokens makes room for it."""
+    import asyncio
+
+    suite = make_suite(EnvSpec(name="long_addition", num_heldout=20), tok, seed=0)
+    assert suite.name == "long_addition" and suite.task.digits == 7 and suite.max_tokens >= 72
+    example = suite.sft(4).get_batch(0)[0]
+    assert len(example.completion) >= 64 and example.completion[-1] == tok.eos_token_id
+    builder = suite.train(2).get_batch(0)[0]
+    p = builder.problem
+    text = tok.decode(list(example.completion[:-1]))
+    assert text.count("|") == 7 and all(len(step) == 8 for step in text.split("|")[:-1])
+    a, b = (int(x) for x in tok.decode(list(example.prompt))[:-1].split("+"))
+    assert int(text.rpartition("|")[2]) == a + b
+    env = builder.make_envs(1, tok)[0]
+    eos = (tok.eos_token_id,)
+
+    async def reward(completion: str, end=eos) -> float:
+        await env.initial_observation()
+        return (await env.step(tuple(tok.encode(completion)) + end)).reward
+
+    assert asyncio.run(reward(p.answer)) == 1.0
+    assert asyncio.run(reward("scratch work|" + p.result)) == 1.0  # the working is not graded
+    assert asyncio.run(reward(p.answer[:-1] + str((int(p.answer[-1]) + 1) % 10))) == 0.0
+    assert asyncio.run(reward(p.answer, end=())) == 0.0  # no EOS
+    assert EnvSpec(name="arithmetic").digits == 3 and EnvSpec(name="long_addition", digits=3).digits == 3

@@ -101,12 +101,14 @@ def test_multi_turn_episodes_run_in_the_loop(tmp_path, builtin_dir):
     check_ledger(tmp_path / "run", 4, 4)
 
 
-def test_speculative_decoding_in_the_loop_keeps_logprobs_exact(tmp_path, builtin_dir):
+@pytest.mark.parametrize("env", ["arithmetic", "long_addition"])
+def test_speculative_decoding_in_the_loop_keeps_logprobs_exact(tmp_path, builtin_dir, env):
     """rollout.speculative.drafter = "suffix": the generator verifies drafts from the group's other
     samples and earlier completions of the same prompt; on-policy, the trainer still recomputes
-    every sampled token's logprob exactly, and the acceptance goes to the metrics."""
+    every sampled token's logprob exactly, and the acceptance goes to the metrics. Also on the
+    long-completion task (worked answers of 72 tokens)."""
     spec = load(None, [*TINY, f"model.path='{builtin_dir}'", "rl.max_staleness=0", "rollout.speculative.drafter=suffix",
-                       "rollout.speculative.draft_tokens=3"])
+                       "rollout.speculative.draft_tokens=3", f"env.name={env}"])
     run(spec, tmp_path / "run")
     d = tmp_path / "run"
     assert json.loads((d / "config.json").read_text())["rollout"]["speculative"]["drafter"] == "suffix"

@@ -223,3 +223,27 @@ def test_bad_draft_settings_are_refused(model_tok):
             Sampler(model, tok, drafter=SuffixDrafter(), draft_tokens=k)
     with pytest.raises(ValueError, match="max_ngram"):
         SuffixDrafter(max_ngram=0)
+
+
+def test_the_suffix_drafter_drafts_from_siblings_history_and_repetition():
+    drafter = SuffixDrafter(max_ngram=3, window=2, max_prompts=2)
+    s = drafter.session([(1, 2), (1, 2)])
+    s.append(0, [5, 6, 7, 8, 9])  # row 0 ran ahead
+    s.append(1, [5, 6])
+    assert s.propose(1, 3) == [7, 8, 9]  # its sibling's continuation
+    s.append(1, [3, 4, 3, 4])
+    assert s.propose(1, 5) == [3, 4, 3, 4, 3]  # a repetition, extended past the end of its match
+    assert s.propose(1, 0) == []
+    s.finish()
+    again = drafter.session([(1, 2)])
+    assert again.propose(0, 4) == [5, 6, 3, 4]  # the most recent earlier completion of the same prompt
+    for p in [(9,), (10,)]:  # two other prompts push (1, 2) out of the LRU
+        drafter.session([p]).finish()
+    assert drafter.session([(1, 2)]).propose(0, 2) == []
+    many = SuffixDrafter(max_ngram=2, window=1)
+    for completion in ([40, 41], [50, 51], [60, 61]):  # past 2 x window, the index is rebuilt
+        s = many.session([(7,)])
+        s.append(0, completion)
+        s.finish()
+    assert many.session([(7,)]).propose(0, 1) == [60]
+    assert len(many._prompts[(7,)].completions) <= 2

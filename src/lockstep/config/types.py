@@ -45,7 +45,7 @@ class ModelSpec:
             object.__setattr__(self, "train_experts", tuple(sorted(self.train_experts)))
 
 
-BUILTIN_ENVS = ("arithmetic", "math", "reasoning_gym")
+BUILTIN_ENVS = ("arithmetic", "long_addition", "math", "reasoning_gym")
 """The built-in env suites, each `lockstep.envs.<name>:make_suite`; the one list of their names."""
 
 LOSSES: dict[str, tuple[str, ...]] = {
@@ -89,13 +89,14 @@ class EnvSpec:
     name: str = "arithmetic"
     """A built-in suite ("arithmetic", "math", "reasoning_gym") or your own as "module:function",
     a function (spec, tokenizer, seed) -> EnvSuite (see lockstep/envs/types.py)."""
-    digits: int = 3
-    """arithmetic: operands have up to this many digits."""
+    digits: int | None = None
+    """arithmetic / long_addition: operands have up to this many digits (None: 3 for arithmetic, 7
+    for long_addition, whose worked answers are then 72 tokens)."""
     max_turns: int = 1
     """arithmetic: > 1 lets the model retry a wrong answer after feedback (a multi-turn episode;
     a later correct answer earns half the reward of the turn before)."""
     max_tokens: int = 6
-    """Most tokens sampled per turn."""
+    """Most tokens sampled per turn (long_addition raises it to fit a worked answer)."""
     num_heldout: int = 200
     """Held-out problems for evaluation (math without test_path: taken from the end of path)."""
     pass_k: int = 8
@@ -122,6 +123,8 @@ class EnvSpec:
     def __post_init__(self) -> None:
         _require(self.name in BUILTIN_ENVS or (isinstance(self.name, str) and ":" in self.name), "env.name",
                  f"one of {list(BUILTIN_ENVS)} or 'module:function'", self.name)
+        if self.digits is None:  # frozen: resolved once, here
+            object.__setattr__(self, "digits", 7 if self.name == "long_addition" else 3)
         for name, low in (("digits", 1), ("max_turns", 1), ("max_tokens", 1), ("num_heldout", 1), ("pass_k", 0),
                           ("size", 1), ("retries", 0)):
             v = getattr(self, name)

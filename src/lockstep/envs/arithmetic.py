@@ -1,8 +1,15 @@
-"""`arithmetic`: procedural integer addition, the embedded default task.
+"""`arithmetic`: procedural integer addition, the embedded default task; `long_addition`: the same
+problems answered with a worked, digit-by-digit scratchpad (long completions).
 
 A problem is "a+b=" with a, b drawn uniformly from [0, 10**digits); the answer is the decimal sum
 followed by EOS. Reward is 1 for an exact answer and 0 otherwise. The held-out set is drawn from its
 own seed and excluded from training, so evaluation never sees a training problem.
+
+`long_addition` answers column by column from the right, each step "x+y+c=ss" (the column's digits,
+the carry in, the two-digit column sum whose first digit is the next carry), steps separated by
+"|", then "|" and the sum: 4821+3967 -> "1+7+0=08|2+6+0=08|8+9+0=17|4+3+1=08|08788". At 7 digits
+(its default) an answer is 71 tokens of the built-in tokenizer plus EOS. Only the final sum is
+graded (the scratchpad is the model's working): the text after the last "|", then EOS.
 
 With `max_turns > 1` an episode is multi-turn: after a wrong answer the env appends feedback and
 the prompt again, and the model answers once more; a correct answer on turn t earns 0.5**(t-1).
@@ -34,15 +41,37 @@ class Problem:
         w = self.width
         return f"{self.a:0{w}d}+{self.b:0{w}d}=" if w else f"{self.a}+{self.b}="
 
+    scratchpad: bool = False
+    """long_addition: the answer is worked column by column (see the module docstring)."""
+
+    @property
+    def result(self) -> str:
+        return f"{self.a + self.b:0{self.width + 1}d}" if self.width else str(self.a + self.b)
+
     @property
     def answer(self) -> str:
-        return f"{self.a + self.b:0{self.width + 1}d}" if self.width else str(self.a + self.b)
+        return f"{worked_columns(self.a, self.b, self.width)}|{self.result}" if self.scratchpad else self.result
+
+
+def worked_columns(a: int, b: int, width: int) -> str:
+    """The scratchpad of a + b over `width` columns, least significant first."""
+    steps, carry = [], 0
+    for i in range(width):
+        x, y = a // 10**i % 10, b // 10**i % 10
+        s = x + y + carry
+        steps.append(f"{x}+{y}+{carry}={s:02d}")
+        carry = s // 10
+    return "|".join(steps)
 
 
 def is_correct(problem: Problem, tokens: Sequence[int], tokenizer) -> bool:
-    """Exact match: the answer's digits, then EOS, and nothing else."""
+    """Exact match: the answer's digits, then EOS, and nothing else (with a scratchpad: the text
+    after its last "|")."""
     eos = tokenizer.eos_token_id
-    return len(tokens) > 0 and tokens[-1] == eos and tokenizer.decode(list(tokens[:-1])) == problem.answer
+    if not (len(tokens) > 0 and tokens[-1] == eos):
+        return False
+    text = tokenizer.decode(list(tokens[:-1]))
+    return (text.rpartition("|")[2] if problem.scratchpad else text) == problem.result
 
 
 class ArithmeticEnv:
@@ -92,13 +121,15 @@ class ArithmeticGroupBuilder:
 class ArithmeticTask:
     """Deterministic problem streams: training batches and a fixed held-out set."""
 
-    def __init__(self, *, digits: int = 3, seed: int = 0, num_heldout: int = 200, padded: bool = True):
+    def __init__(self, *, digits: int = 3, seed: int = 0, num_heldout: int = 200, padded: bool = True,
+                 scratchpad: bool = False):
         self.digits = digits
         self.seed = seed
-        self.width = digits if padded else 0
+        self.width = digits if padded or scratchpad else 0
+        self.scratchpad = scratchpad
         hi = 10**digits
         rng = random.Random(f"heldout-{seed}-{digits}")
-        self.heldout = [Problem(rng.randrange(hi), rng.randrange(hi), self.width) for _ in range(num_heldout)]
+        self.heldout = [Problem(rng.randrange(hi), rng.randrange(hi), self.width, scratchpad) for _ in range(num_heldout)]
         self._heldout_set = set(self.heldout)
 
     def problems(self, index: int, count: int, *, stream: str = "train") -> list[Problem]:
@@ -107,7 +138,7 @@ class ArithmeticTask:
         hi = 10**self.digits
         out: list[Problem] = []
         while len(out) < count:
-            p = Problem(rng.randrange(hi), rng.randrange(hi), self.width)
+            p = Problem(rng.randrange(hi), rng.randrange(hi), self.width, self.scratchpad)
             if p not in self._heldout_set:
                 out.append(p)
         return out
@@ -150,9 +181,14 @@ class _SolvedBatches:
 class ArithmeticSuite:
     name = "arithmetic"
 
-    def __init__(self, tokenizer, *, digits: int, seed: int, num_heldout: int, max_tokens: int, max_turns: int):
+    def __init__(self, tokenizer, *, digits: int, seed: int, num_heldout: int, max_tokens: int, max_turns: int,
+                 scratchpad: bool = False):
         self.tokenizer = tokenizer
-        self.task = ArithmeticTask(digits=digits, seed=seed, num_heldout=num_heldout)
+        self.task = ArithmeticTask(digits=digits, seed=seed, num_heldout=num_heldout, scratchpad=scratchpad)
+        if scratchpad:  # room for a whole worked answer, EOS, and a little more for a wrong one
+            self.name = "long_addition"
+            longest = len(tokenizer.encode(Problem(10**digits - 1, 10**digits - 1, digits, True).answer))
+            max_tokens = max(max_tokens, longest + 8)
         self.seed, self.max_tokens, self.max_turns = seed, max_tokens, max_turns
         self._reports: dict[str, DataReport] = {}
 
@@ -179,3 +215,9 @@ class ArithmeticSuite:
 def make_suite(spec, tokenizer, seed: int) -> ArithmeticSuite:
     return ArithmeticSuite(tokenizer, digits=spec.digits, seed=seed, num_heldout=spec.num_heldout,
                            max_tokens=spec.max_tokens, max_turns=spec.max_turns)
+
+
+def make_long_suite(spec, tokenizer, seed: int) -> ArithmeticSuite:
+    """`long_addition`: answers with a worked scratchpad (env.max_tokens is raised to fit one)."""
+    return ArithmeticSuite(tokenizer, digits=spec.digits, seed=seed, num_heldout=spec.num_heldout,
+                           max_tokens=spec.max_tokens, max_turns=spec.max_turns, scratchpad=True)

@@ -16,6 +16,7 @@ from lockstep.envs.types import EnvError, EnvSuite
 
 BUILTIN = {
     "arithmetic": "lockstep.envs.arithmetic:make_suite",
+    "long_addition": "lockstep.envs.arithmetic:make_long_suite",
     "math": "lockstep.envs.math:make_suite",
     "reasoning_gym": "lockstep.envs.reasoning_gym:make_suite",
 }
