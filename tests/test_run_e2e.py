@@ -108,7 +108,8 @@ def test_speculative_decoding_in_the_loop_keeps_logprobs_exact(tmp_path, builtin
     every sampled token's logprob exactly, and the acceptance goes to the metrics. Also on the
     long-completion task (worked answers of 72 tokens)."""
     spec = load(None, [*TINY, f"model.path='{builtin_dir}'", "rl.max_staleness=0", "rollout.speculative.drafter=suffix",
-                       "rollout.speculative.draft_tokens=3", f"env.name={env}"])
+                       "rollout.speculative.draft_tokens=3", f"env.name={env}",
+                       "rollout.speculative.auto=" + ("true" if env == "long_addition" else "false")])
     run(spec, tmp_path / "run")
     d = tmp_path / "run"
     assert json.loads((d / "config.json").read_text())["rollout"]["speculative"]["drafter"] == "suffix"
@@ -117,7 +118,7 @@ def test_speculative_decoding_in_the_loop_keeps_logprobs_exact(tmp_path, builtin
     assert all(r["mismatch/abs"] == 0.0 and r["mismatch/ess"] == 1.0 for r in rl)
     assert sum(r["speculative/drafted"] for r in rl) > sum(r["speculative/accepted"] for r in rl) > 0
     assert all(0.0 <= r["speculative/acceptance"] <= 1.0 and r["speculative/drafter_errors"] == 0 for r in rl)
-    assert all(r["time/verify_s"] >= 0 for r in rl)
+    assert all(r["time/verify_s"] >= 0 and r["speculative/auto_off_steps"] >= 0 for r in rl)
     check_ledger(d, 4, 4)
 
 

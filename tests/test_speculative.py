@@ -247,3 +247,25 @@ def test_the_suffix_drafter_drafts_from_siblings_history_and_repetition():
         s.finish()
     assert many.session([(7,)]).propose(0, 1) == [60]
     assert len(many._prompts[(7,)].completions) <= 2
+
+
+def test_auto_width_follows_measured_cost_and_acceptance():
+    auto = spec.AutoWidth(4, probe_every=5)
+    assert auto.width(8, 8) == 4 and auto.width(8, 8) == 0  # two sizes measured first, alternating
+    for n in (8, 40, 8, 40):  # a forward costs 1 ms + 0.01 ms per fed token: mostly fixed cost
+        auto.observe_forward(n, 1e-3 + 1e-5 * n)
+    auto.observe_drafts(accepted=90, rejected=10)
+    assert auto.width(8, 8) == 4  # drafts that are mostly right pay at this size
+    for _ in range(60):  # now nothing is accepted any more
+        auto.observe_drafts(accepted=0, rejected=8)
+    widths = [auto.width(8, 8) for _ in range(10)]
+    assert widths.count(0) >= 8 and 4 in widths  # off, but probing now and then
+
+
+def test_auto_turns_speculation_off_when_it_does_not_pay_and_changes_nothing(model_tok):
+    model, tok = model_tok
+    reqs = _requests(tok, n_prompts=4, samples=4, max_tokens=40, stop=())
+    wrong = Sampler(model, tok, drafter=_FixedDraft(tok.encode("7")[0]), draft_tokens=4, auto=True)
+    assert [r.sequences for r in wrong.sample(reqs)] == [r.sequences for r in Sampler(model, tok).sample(reqs)]
+    assert wrong.spec_stats.auto_off_steps > wrong.spec_stats.verify_steps  # mostly plain once measured
+    assert wrong.auto.alpha < 0.2

@@ -237,6 +237,10 @@ class SpeculativeSpec:
     """suffix: the longest suffix of a row matched against the index."""
     window: int = 16
     """suffix: earlier completions of each prompt kept for drafting."""
+    auto: bool = False
+    """Choose the draft width each decode step from the measured cost of a step and the measured
+    acceptance, down to none: speculation turns itself off where it does not pay (many rows, poor
+    drafts) and back on where it does."""
 
     def __post_init__(self) -> None:
         p = "rollout.speculative"
@@ -247,6 +251,7 @@ class SpeculativeSpec:
                  self.max_ngram)
         _require(isinstance(self.window, int) and 0 <= self.window <= 4096, f"{p}.window", "an integer in [0, 4096]",
                  self.window)
+        _require(isinstance(self.auto, bool), f"{p}.auto", "true or false", self.auto)
 
     def drafter_options(self) -> dict:
         return {"max_ngram": self.max_ngram, "window": self.window} if self.drafter == "suffix" else {}

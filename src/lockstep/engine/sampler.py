@@ -102,9 +102,11 @@ class _Out:
 class Sampler:
     """Samples from an `InvariantLM`; reported logprobs equal the trainer's bit for bit."""
 
-    def __init__(self, model: InvariantLM, tokenizer, *, policy_version: int = 0, drafter=None, draft_tokens: int = 4):
+    def __init__(self, model: InvariantLM, tokenizer, *, policy_version: int = 0, drafter=None, draft_tokens: int = 4,
+                 auto: bool = False):
         """drafter: None (plain decoding) or a drafter (engine/drafters.py) whose proposals, up to
-        `draft_tokens` per row and step, are verified in the decode step's forward."""
+        `draft_tokens` per row and step, are verified in the decode step's forward. auto: choose the
+        width each step from measured cost and acceptance (speculative.AutoWidth), down to none."""
         if drafter is not None and not (isinstance(draft_tokens, int) and draft_tokens >= 1):
             raise EngineError(f"draft_tokens must be an integer >= 1, got {draft_tokens!r}")
         self.model = model
@@ -115,6 +117,7 @@ class Sampler:
         self.drafter = drafter
         self.draft_tokens = draft_tokens
         self.spec_stats = spec.SpecStats()
+        self.auto = spec.AutoWidth(draft_tokens) if drafter is not None and auto else None
 
     # -- public ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -214,14 +217,22 @@ class Sampler:
                 logits = self._reprefill(rows, [requests[owner[j]].prompt for j in rows.ids.tolist()], tape)
                 continue
             drafts = lengths = None
-            if session is not None:
-                drafts, lengths, session = self._drafts(session, rows, alive, tape)
+            width = self.draft_tokens if self.auto is None else self.auto.width(len(alive), int(alive.sum()))
+            self.spec_stats.auto_off_steps += self.auto is not None and width == 0
+            step_started = time.perf_counter()
+            if session is not None and width > 0:
+                drafts, lengths, session = self._drafts(session, rows, alive, tape, width)
             if drafts is None:  # plain decoding: feed the token, get the next logits
+                started = time.perf_counter()
                 hidden = self.model.hidden_states(tokens.unsqueeze(1), rows.positions.unsqueeze(1), rows.cache)
                 rows.positions = rows.positions + alive.long()  # finished rows stay put (bounded cache)
                 logits = self.model.logits(hidden[:, 0])
+                if self.auto is not None:
+                    self.auto.observe_forward(len(alive), time.perf_counter() - started)
             else:
                 logits = self._verify(rows, alive, tokens, drafts, lengths, tape, session)
+                if self.auto is not None:  # the whole step: drafting, the forward and the acceptance
+                    self.auto.observe_forward(len(alive) * (1 + drafts.shape[1]), time.perf_counter() - step_started)
         if session is not None:
             self._draft_call(session, "finish")
         if self.drafter is not None and session is None:
@@ -256,14 +267,14 @@ class Sampler:
         log.warning("the drafter failed (%d so far); this call decodes without speculation", self.spec_stats.drafter_errors,
                     exc_info=True)
 
-    def _drafts(self, session, rows: _Rows, alive, tape: _Tape):
-        """(drafts (R, k), lengths (R,), session): each live row's proposal, capped by what it may
-        still emit; drafts None when no row has any (then this step is a plain one)."""
+    def _drafts(self, session, rows: _Rows, alive, tape: _Tape, width: int):
+        """(drafts (R, k), lengths (R,), session): each live row's proposal, up to `width` tokens and
+        what it may still emit; drafts None when no row has any (then this step is a plain one)."""
         started = time.perf_counter()
         ids = rows.ids.tolist()
         budgets = (tape.max_new[rows.ids] - tape.n_out[rows.ids]).clamp(min=0) * alive
         try:
-            drafts, lengths = spec.draft_block(session, ids, budgets.tolist(), self.draft_tokens, pad=0)
+            drafts, lengths = spec.draft_block(session, ids, budgets.tolist(), width, pad=0)
         except Exception:  # noqa: BLE001
             self._drafter_failed()
             return None, None, None
@@ -302,6 +313,8 @@ class Sampler:
         fed_until = rows.positions + (k + 1) * was_alive.long()
         rows.positions = rows.positions + (1 + accepted) * was_alive.long()
         spec.rollback(rows.cache, rows.positions, fed_until)  # the rejected tokens' slots
+        if self.auto is not None:  # a row whose run stopped short of its drafts (not by a stop) saw a rejection
+            self.auto.observe_drafts(int(accepted.sum()), int((was_alive & alive & (accepted < lengths)).sum()))
         st = self.spec_stats
         st.verify_steps += 1
         st.row_verifies += int((lengths > 0).sum())

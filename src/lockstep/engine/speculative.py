@@ -35,6 +35,8 @@ class SpecStats:
     drafter_errors: int = 0
     plain_fallbacks: int = 0
     """sample() calls that finished without speculation because the drafter failed."""
+    auto_off_steps: int = 0
+    """Decode steps that `auto` ran without drafts (speculation did not pay)."""
 
     @property
     def acceptance(self) -> float:
@@ -71,3 +73,66 @@ def rollback(cache, positions_R: torch.Tensor, fed_until_R: torch.Tensor) -> Non
     for k, v in zip(cache.k, cache.v1):
         k[rows_t, :, slots_t] = 0.0
         v[rows_t, :, slots_t, : k.shape[-1]] = 0.0
+
+
+class AutoWidth:
+    """`auto`: how many tokens to draft this step (0: a plain step), from what speculation has been
+    measured to cost and to earn on this sampler's request stream.
+
+    Cost: a step feeding n tokens (rows x (1 + width)) takes a + b n seconds (drafting and the
+    acceptance included), fitted online by exponentially weighted least squares over the steps seen. Earnings: a drafted token is accepted
+    with probability alpha given that the ones before it were (accepted tokens over accepted tokens
+    plus rejections, exponentially weighted), so a row drafting w tokens emits 1 + alpha + ... +
+    alpha^w tokens in expectation. The width with the most expected tokens per second wins, if it
+    beats plain decoding by `margin`. While
+    speculation is off, every `probe_every`-th step drafts anyway, so that a stream whose drafts
+    start to pay turns it back on."""
+
+    def __init__(self, max_width: int, *, decay: float = 0.9, probe_every: int = 16, margin: float = 1.05):
+        self.max_width, self.decay, self.probe_every, self.margin = max_width, decay, probe_every, margin
+        self._sums = [0.0] * 5  # weighted n, n^2, t, n t, weight
+        self.accepted, self.rejected = 1.0, 1.0  # a uniform prior on alpha
+        self.since_draft = 0
+        self.observed = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def cost(self, n: int) -> float | None:
+        """Seconds of a forward over n fed tokens, or None before two different sizes were seen."""
+        sn, snn, st, snt, w = self._sums
+        det = w * snn - sn * sn
+        if w <= 0 or det <= 1e-9 * max(1.0, snn * w):
+            return None
+        b = max((w * snt - sn * st) / det, 0.0)  # more tokens never cost less (noise aside)
+        a = (st - b * sn) / w
+        return max(a + b * n, 1e-9)
+
+    def width(self, fed_rows: int, live_rows: int) -> int:
+        """Draft width for a step feeding `fed_rows` rows, `live_rows` of them still sampling."""
+        if live_rows <= 0:
+            return 0
+        if self.cost(fed_rows) is None:  # one size seen so far: measure another, alternating
+            self.observed += 1
+            return self.max_width if self.observed % 2 else 0
+        plain = live_rows / self.cost(fed_rows)
+        best, best_rate = 0, plain * self.margin  # speculate only for a clear gain: no flapping on noise
+        for w in range(1, self.max_width + 1):
+            rate = live_rows * sum(self.alpha ** i for i in range(w + 1)) / self.cost(fed_rows * (1 + w))
+            if rate > best_rate:
+                best, best_rate = w, rate
+        self.since_draft = 0 if best else self.since_draft + 1
+        if best == 0 and self.since_draft >= self.probe_every:
+            self.since_draft = 0
+            return self.max_width
+        return best
+
+    def observe_forward(self, fed: int, seconds: float) -> None:
+        d = self.decay
+        self._sums = [s * d + x for s, x in zip(self._sums, (fed, fed * fed, seconds, fed * seconds, 1.0))]
+
+    def observe_drafts(self, accepted: int, rejected: int) -> None:
+        d = self.decay
+        self.accepted = self.accepted * d + accepted
+        self.rejected = self.rejected * d + rejected

@@ -150,7 +150,8 @@ class GeneratorActor:
         self.params = trainer.params
         drafter = make_drafter(speculative.drafter, **speculative.drafter_options()) if speculative else None
         self.sampler = Sampler(trainer.model, trainer.tokenizer, drafter=drafter,
-                               draft_tokens=speculative.draft_tokens if speculative else 4)
+                               draft_tokens=speculative.draft_tokens if speculative else 4,
+                               auto=bool(speculative and speculative.auto))
         self._pending: tuple | None = None
         self._lock = threading.Lock()
         self.busy_s = 0.0

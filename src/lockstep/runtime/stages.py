@@ -205,7 +205,8 @@ class Run(RunDirectory):
         return {"speculative/acceptance": d["accepted"] / d["drafted"] if d["drafted"] else 0.0,
                 "speculative/accepted_per_verify": d["accepted"] / d["row_verifies"] if d["row_verifies"] else 0.0,
                 "speculative/drafted": d["drafted"], "speculative/accepted": d["accepted"],
-                "speculative/drafter_errors": d["drafter_errors"], "time/draft_s": d["draft_seconds"],
+                "speculative/drafter_errors": d["drafter_errors"], "speculative/auto_off_steps": d["auto_off_steps"],
+                "time/draft_s": d["draft_seconds"],
                 "time/verify_s": d["verify_seconds"]}
 
     def rl(self, stage: StageSpec, index: int) -> float:
