@@ -8,7 +8,8 @@ GRPO-shaped rollouts of held-out-style problems, `rows` samples in groups of 8 (
 group), temperature 1, max_tokens 80, the same seeds on every side; each side runs the same
 sequence of calls, so the suffix drafter sees earlier completions of a prompt only where a plain
 RL run would have produced them (the prompts of call i are new to call i). Runs alternate
-(plain, suffix, plain, ...), medians of the repeats. Outputs are asserted identical.
+(plain, suffix, suffix with `auto`, plain, ...), medians of the repeats. Outputs are asserted
+identical.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def main() -> None:
     for rows in [int(x) for x in a.rows.split(",")]:
         plain = Sampler(model, tok)
         fast = Sampler(model, tok, drafter=SuffixDrafter(), draft_tokens=a.draft_tokens)
+        auto = Sampler(model, tok, drafter=SuffixDrafter(), draft_tokens=a.draft_tokens, auto=True)
         calls = [requests(tok, task, c, rows) for c in range(a.calls)]
         new_tokens = []
 
@@ -78,17 +80,20 @@ def main() -> None:
             return go
 
         want = run(plain, record=True)()
-        assert run(fast)() == want, "speculative decoding changed an output"
+        assert run(fast)() == want and run(auto)() == want, "speculative decoding changed an output"
         fast.spec_stats = type(fast.spec_stats)()
-        t_plain, t_fast = [], []
+        t_plain, t_fast, t_auto = [], [], []
         for _ in range(a.repeats):
             t_plain += timed(run(plain), 1)
             t_fast += timed(run(fast), 1)
+            t_auto += timed(run(auto), 1)
         st = fast.spec_stats
         tokens = new_tokens[0]
         rows_out.append({"rows": rows, "new_tokens": tokens, "plain_tok_s": tokens / median(t_plain),
-                         "suffix_tok_s": tokens / median(t_fast), "speedup": median(t_plain) / median(t_fast),
+                         "suffix_tok_s": tokens / median(t_fast), "suffix_vs_plain": median(t_plain) / median(t_fast),
+                         "auto_tok_s": tokens / median(t_auto), "auto_vs_plain": median(t_plain) / median(t_auto),
                          "acceptance": st.acceptance, "accepted_per_verify": st.mean_accepted,
+                         "auto_off_steps": auto.spec_stats.auto_off_steps, "auto_verify_steps": auto.spec_stats.verify_steps,
                          "draft_s_share": st.draft_seconds / sum(t_fast)})
         print(rows_out[-1], flush=True)
     emit("speculative", rows_out, {"model": str(model_dir), "draft_tokens": a.draft_tokens, "calls": a.calls,

@@ -267,3 +267,31 @@ def test_save_state_then_load_through_the_engine_host_is_exact_fifty_times(tmp_p
             step("m", 1000 + i), step("copy", 1000 + i)
             w, cw = state("m")[0], state("copy")[0]
             assert all(np.array_equal(w[k], cw[k]) for k in w), i
+
+
+def test_speculative_sampling_sessions_answer_exactly_as_plain_ones(tmp_path, builtin_dir):
+    """`lockstep serve --speculative suffix`: every sampling session drafts from its own history only
+    (never another session's, which may be another tenant's), and its responses are byte for byte
+    those of a worker without speculation (same weights, seeds and requests)."""
+    from lockstep.engine.types import EngineError
+    from lockstep.service.host import EngineHost
+
+    hosts = {mode: EngineHost(str(tmp_path / mode / "storage"), str(tmp_path / mode / "cache"), 1, speculative=mode,
+                              draft_tokens=4) for mode in ("off", "suffix")}
+    for host in hosts.values():
+        host.create_model("m", builtin_dir, {"rank": 4, "seed": 1})
+        for s in ("s1", "s2"):
+            host.snapshot_session("m", s, f"snap/{s}", builtin_dir, {"rank": 4, "seed": 1})
+    replies = {}
+    for mode, host in hosts.items():
+        replies[mode] = [host.sample(s, {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7, i]}]},
+                                         "num_samples": 4, "sampling_params": {"max_tokens": 24, "seed": i,
+                                                                               "temperature": 0.0 if i % 2 else 1.0}})
+                         for i in range(4) for s in ("s1", "s2")]
+    assert replies["suffix"] == replies["off"]
+    spec = hosts["suffix"]
+    (d1, a1), (d2, a2) = spec.sessions["s1"][3], spec.sessions["s2"][3]
+    assert d1 is not d2 and a1 is not a2 and a1.observed > 0
+    assert hosts["off"].sessions["s1"][3] is None
+    with pytest.raises(EngineError, match="unknown drafter"):
+        EngineHost(str(tmp_path / "x"), str(tmp_path / "y"), 1, speculative="tree")

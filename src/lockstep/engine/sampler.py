@@ -103,10 +103,11 @@ class Sampler:
     """Samples from an `InvariantLM`; reported logprobs equal the trainer's bit for bit."""
 
     def __init__(self, model: InvariantLM, tokenizer, *, policy_version: int = 0, drafter=None, draft_tokens: int = 4,
-                 auto: bool = False):
+                 auto: "bool | spec.AutoWidth" = False):
         """drafter: None (plain decoding) or a drafter (engine/drafters.py) whose proposals, up to
         `draft_tokens` per row and step, are verified in the decode step's forward. auto: choose the
-        width each step from measured cost and acceptance (speculative.AutoWidth), down to none."""
+        width each step from measured cost and acceptance (speculative.AutoWidth), down to none;
+        an AutoWidth carries on with its measurements (one request stream over several samplers)."""
         if drafter is not None and not (isinstance(draft_tokens, int) and draft_tokens >= 1):
             raise EngineError(f"draft_tokens must be an integer >= 1, got {draft_tokens!r}")
         self.model = model
@@ -117,7 +118,10 @@ class Sampler:
         self.drafter = drafter
         self.draft_tokens = draft_tokens
         self.spec_stats = spec.SpecStats()
-        self.auto = spec.AutoWidth(draft_tokens) if drafter is not None and auto else None
+        if isinstance(auto, spec.AutoWidth):
+            self.auto = auto if drafter is not None else None
+        else:
+            self.auto = spec.AutoWidth(draft_tokens) if drafter is not None and auto else None
 
     # -- public ------------------------------------------------------------------------------
     @torch.inference_mode()

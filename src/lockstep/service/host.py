@@ -68,7 +68,12 @@ class Lru(OrderedDict):
 
 class EngineHost:
     def __init__(self, storage_url: str, cache_dir: str, threads: int, *, max_models: int = 16,
-                 max_sessions: int = 32, max_skeletons: int = 4, fetch_cache_bytes: int = 4 << 30):
+                 max_sessions: int = 32, max_skeletons: int = 4, fetch_cache_bytes: int = 4 << 30,
+                 speculative: str = "off", draft_tokens: int = 4):
+        """speculative: a drafter name (engine/drafters.py) for every sampling session, "off" for
+        none. Each session gets its own drafter and `auto` width controller: its history of
+        completions never drafts for another session (another tenant), and it speculates only where
+        its own measurements say it pays. Outputs are those of plain decoding either way."""
         import torch
 
         from lockstep.service.storage import FetchCache, Storage
@@ -82,6 +87,10 @@ class EngineHost:
         self.skeletons = Lru(max_skeletons, "sampler skeleton")
         """One per (base model, LoRA shape), rebuilt on demand."""
         self.sessions = Lru(max_sessions, "sampling session")
+        from lockstep.engine.drafters import make_drafter
+
+        make_drafter(speculative)  # an unknown name fails at start
+        self.speculative, self.draft_tokens = speculative, draft_tokens
 
     # -- models ----------------------------------------------------------------------------------
     def has_model(self, model_id: str) -> bool:
@@ -183,15 +192,24 @@ class EngineHost:
         else:
             with self._fetch(weights_key) as local:
                 weights = _load_weights(local, trainer)
-        self.sessions.put(session_id, (base_path, lora, weights))
+        self.sessions.put(session_id, (base_path, lora, weights, self._speculation()))
 
     def snapshot_session(self, model_id: str, session_id: str, key: str, base_path: str, lora: dict | None) -> int:
         """An ephemeral sampler on the model's current weights: persisted (for restarts), then
         pinned to a copy; returns the bytes written."""
         trainer = self._trainer(model_id)
         size = self.save_state(model_id, key, optimizer=False)
-        self.sessions.put(session_id, (base_path, lora, {n: p.detach().clone() for n, p in trainer.params.items()}))
+        self.sessions.put(session_id, (base_path, lora, {n: p.detach().clone() for n, p in trainer.params.items()},
+                                       self._speculation()))
         return size
+
+    def _speculation(self):
+        """A new session's (drafter, auto width controller), or None without speculation."""
+        from lockstep.engine.drafters import make_drafter
+        from lockstep.engine.speculative import AutoWidth
+
+        drafter = make_drafter(self.speculative)
+        return None if drafter is None else (drafter, AutoWidth(self.draft_tokens))
 
     def has_session(self, session_id: str) -> bool:
         return session_id in self.sessions
@@ -202,8 +220,13 @@ class EngineHost:
 
         if session_id not in self.sessions:
             raise HostError(f"sampling session {session_id} is not open")
-        base_path, lora, weights = self.sessions.use(session_id)
+        base_path, lora, weights, speculation = self.sessions.use(session_id)
         trainer, sampler, _ = self._skeleton(base_path, lora)
+        if speculation is not None:
+            from lockstep.engine.sampler import Sampler
+
+            drafter, auto = speculation
+            sampler = Sampler(trainer.model, trainer.tokenizer, drafter=drafter, draft_tokens=self.draft_tokens, auto=auto)
         for name, p in trainer.params.items():
             p.data = weights[name]
         p = body["sampling_params"]

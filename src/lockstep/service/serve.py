@@ -7,6 +7,8 @@ The API process never imports torch.
 
 from __future__ import annotations
 
+import argparse
+
 import logging
 import os
 import signal
@@ -157,7 +159,23 @@ WORKER_OPTIONS = (  # (flag, WorkerConfig field, type, help): shared by `lockste
     ("--janitor-every", "janitor_every_s", float, "seconds between deletions of expired checkpoints"),
     ("--session-ttl", "session_ttl_s", float, "seconds after a session's last heartbeat its sampler snapshots "
                                               "are deleted"),
+    ("--speculative", "speculative", lambda v: _choice(v, ("off", "suffix")),
+     "speculative decoding in sampling sessions: off or suffix (samples and logprobs never change)"),
+    ("--draft-tokens", "draft_tokens", lambda v: _at_least(v, 1, 64), "tokens drafted per row and step, at most"),
 )
+
+
+def _choice(value: str, choices: tuple) -> str:
+    if value not in choices:
+        raise argparse.ArgumentTypeError(f"{value!r}: choose one of {', '.join(choices)}")
+    return value
+
+
+def _at_least(text: str, low: int, high: int) -> int:
+    value = int(text)
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{text}: expected an integer in [{low}, {high}]")
+    return value
 
 
 def add_worker_options(parser) -> None:
