@@ -269,3 +269,42 @@ def test_auto_turns_speculation_off_when_it_does_not_pay_and_changes_nothing(mod
     assert [r.sequences for r in wrong.sample(reqs)] == [r.sequences for r in Sampler(model, tok).sample(reqs)]
     assert wrong.spec_stats.auto_off_steps > wrong.spec_stats.verify_steps  # mostly plain once measured
     assert wrong.auto.alpha < 0.2
+
+
+class _Oracle:
+    """Drafts exactly what a plain run produced for each row: every draft is accepted."""
+
+    def __init__(self, completions):
+        self.completions = completions
+
+    def session(self, prompts):
+        self.seqs = [list(p) for p in prompts]
+        self.plen = [len(p) for p in prompts]
+        return self
+
+    def append(self, row, tokens):
+        self.seqs[row] += list(tokens)
+
+    def propose(self, row, k):
+        done = len(self.seqs[row]) - self.plen[row]
+        return list(self.completions[row][done : done + k])
+
+    def finish(self):
+        pass
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_the_sample_there(model_tok):
+    """Runs of confirmed drafts are recorded at once; a stop token inside one cuts it right after
+    the stop, exactly where plain decoding stops."""
+    model, tok = model_tok
+    prompts = [tuple(tok.encode(f"{i}+{i}=")) for i in range(6)]
+    free = Sampler(model, tok).sample([SampleRequest(p, SamplingParams(max_tokens=20, seed=i, stop=()))
+                                       for i, p in enumerate(prompts)])
+    completions = [r.sequences[0].tokens for r in free]
+    reqs = [SampleRequest(p, SamplingParams(max_tokens=20, seed=i, stop=(completions[i][7],)))
+            for i, p in enumerate(prompts)]
+    oracle = Sampler(model, tok, drafter=_Oracle(completions), draft_tokens=5)
+    got = [r.sequences for r in oracle.sample(reqs)]
+    assert got == [r.sequences for r in Sampler(model, tok).sample(reqs)]
+    assert all(s[0].stop_reason == "stop" and len(s[0].tokens) <= 8 for s in got)
+    assert 0 < oracle.spec_stats.accepted < oracle.spec_stats.drafted  # every draft right, runs cut at the stop

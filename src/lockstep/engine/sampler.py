@@ -76,6 +76,25 @@ class _Tape:
         self.stopped[ids] = stopped
         return stopped | (at + 1 >= self.max_new[ids])
 
+    def record_runs(self, ids: torch.Tensor, tokens: torch.Tensor, lps: torch.Tensor, counts: torch.Tensor,
+                    version: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append tokens[r, :counts[r]] to sample ids[r], each run cut after its first stop token
+        (stop ids only: no stop strings); returns (tokens appended, which rows have now ended)."""
+        k = tokens.shape[1]
+        within = torch.arange(k) < counts.unsqueeze(1)
+        stop = (self.stop_ids[ids].unsqueeze(1) == tokens.unsqueeze(2)).any(2) & within
+        counts = torch.where(stop.any(1), stop.long().argmax(1) + 1, counts)  # up to and with the first stop
+        keep = torch.arange(k) < counts.unsqueeze(1)
+        r, c = keep.nonzero(as_tuple=True)
+        at = self.n_out[ids][r] + c
+        self.tokens[ids[r], at] = tokens[r, c]
+        self.logprobs[ids[r], at] = lps[r, c]
+        self.versions[ids[r], at] = version
+        self.n_out[ids] += counts
+        stopped = stop.any(1)
+        self.stopped[ids[stopped]] = True
+        return counts, (counts > 0) & (stopped | (self.n_out[ids] >= self.max_new[ids]))
+
     def tokens_of(self, j: int) -> list[int]:
         return self.tokens[j, : int(self.n_out[j])].tolist()
 
@@ -302,18 +321,17 @@ class Sampler:
         samples, lps = choose(all_logits[:, :k].reshape(R * k, -1), picks, steps.reshape(-1))
         samples, lps = samples.view(R, k), lps.view(R, k)
         was_alive = alive.clone()
-        accepting = alive & (lengths > 0)
-        accepted = torch.zeros(R, dtype=torch.long)
-        for i in range(k):  # emit column by column: a stop ends a row's run
-            accepting &= (samples[:, i] == drafts[:, i]) & (i < lengths)
-            if not bool(accepting.any()):
-                break
-            at = accepting.nonzero().squeeze(1)
-            ended = tape.record(rows.ids[at], drafts[at, i], lps[at, i], self.policy_version)
-            self._draft_call(session, "append", rows.ids[at].tolist(), drafts[at, i].tolist())
-            accepted[at] += 1
-            alive[at[ended]] = False
-            accepting[at[ended]] = False
+        agree = (samples == drafts) & (torch.arange(k) < lengths.unsqueeze(1)) & alive.unsqueeze(1)
+        run = agree.long().cumprod(dim=1).sum(dim=1)  # each row's run of confirmed drafts
+        if tape.any_str:  # stop strings need the decoded text after each token
+            accepted = self._emit_by_column(rows, alive, drafts, lps, run, tape, session)
+        else:
+            accepted, ended = tape.record_runs(rows.ids, drafts, lps, run, self.policy_version)
+            alive[ended] = False
+            if session is not None:
+                for r in (accepted > 0).nonzero().squeeze(1).tolist():
+                    self._draft_call(session, "append", [int(rows.ids[r])] * int(accepted[r]),
+                                     drafts[r, : int(accepted[r])].tolist())
         fed_until = rows.positions + (k + 1) * was_alive.long()
         rows.positions = rows.positions + (1 + accepted) * was_alive.long()
         spec.rollback(rows.cache, rows.positions, fed_until)  # the rejected tokens' slots
@@ -326,6 +344,19 @@ class Sampler:
         st.accepted += int(accepted.sum())
         st.verify_seconds += time.perf_counter() - started
         return all_logits[torch.arange(R), accepted]
+
+    def _emit_by_column(self, rows: _Rows, alive, drafts, lps, run, tape: _Tape, session) -> torch.Tensor:
+        """Emit each row's confirmed drafts one column at a time (a stop string ends a run)."""
+        accepted = torch.zeros_like(run)
+        for i in range(int(run.max()) if run.numel() else 0):
+            at = ((run > i) & alive).nonzero().squeeze(1)
+            if at.numel() == 0:
+                break
+            ended = tape.record(rows.ids[at], drafts[at, i], lps[at, i], self.policy_version)
+            self._draft_call(session, "append", rows.ids[at].tolist(), drafts[at, i].tolist())
+            accepted[at] += 1
+            alive[at[ended]] = False
+        return accepted
 
     def _reprefill(self, rows: _Rows, prompts, tape: _Tape) -> torch.Tensor:
         """After a weight swap, rebuild the rows' caches under the new weights.

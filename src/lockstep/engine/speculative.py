@@ -63,13 +63,13 @@ def draft_block(session, rows: list[int], budgets: list[int], k: int, pad: int) 
 def rollback(cache, positions_R: torch.Tensor, fed_until_R: torch.Tensor) -> None:
     """Zero every layer's cache slots [positions_R[r], fed_until_R[r]) of each row r: the tokens fed
     there were rejected."""
-    rows, slots = [], []
-    for r, (a, b) in enumerate(zip(positions_R.tolist(), fed_until_R.tolist())):
-        rows += [r] * (b - a)
-        slots += range(a, b)
-    if not rows:
+    counts = (fed_until_R - positions_R).clamp(min=0)
+    total = int(counts.sum())
+    if total == 0:
         return
-    rows_t, slots_t = torch.tensor(rows), torch.tensor(slots)
+    rows_t = torch.arange(len(counts)).repeat_interleave(counts)
+    starts = torch.cumsum(counts, 0) - counts  # each row's first index in the flat list
+    slots_t = positions_R.repeat_interleave(counts) + torch.arange(total) - starts.repeat_interleave(counts)
     for k, v in zip(cache.k, cache.v1):
         k[rows_t, :, slots_t] = 0.0
         v[rows_t, :, slots_t, : k.shape[-1]] = 0.0
