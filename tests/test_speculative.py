@@ -252,14 +252,20 @@ def test_the_suffix_drafter_drafts_from_siblings_history_and_repetition():
 def test_auto_width_follows_measured_cost_and_acceptance():
     auto = spec.AutoWidth(4, probe_every=5)
     assert auto.width(8, 8) == 4 and auto.width(8, 8) == 0  # two sizes measured first, alternating
-    for n in (8, 40, 8, 40):  # a forward costs 1 ms + 0.01 ms per fed token: mostly fixed cost
+    for n in (8, 40, 8, 40):  # a step costs 1 ms + 0.01 ms per fed token: mostly fixed cost
         auto.observe_forward(n, 1e-3 + 1e-5 * n)
-    auto.observe_drafts(accepted=90, rejected=10)
-    assert auto.width(8, 8) == 4  # drafts that are mostly right pay at this size
+    auto.observe_drafts(accepted=24, live_rows=8)  # 3 drafts a row accepted
+    assert auto.width(8, 8) == 4  # pays at this size: 4 tokens a row for 1.4 ms against 1 for 1.08
+    assert auto.width(64, 64) == 4  # 1 + 3 tokens for 4.2 ms against 1 for 1.64 ms: still pays
     for _ in range(60):  # now nothing is accepted any more
-        auto.observe_drafts(accepted=0, rejected=8)
+        auto.observe_drafts(accepted=0, live_rows=8)
     widths = [auto.width(8, 8) for _ in range(10)]
     assert widths.count(0) >= 8 and 4 in widths  # off, but probing now and then
+    for n in (64, 320) * 4:  # a step that costs in proportion to its tokens (compute-bound)
+        auto.observe_forward(n, 1e-5 * n)
+    for _ in range(60):
+        auto.observe_drafts(accepted=16, live_rows=8)  # 2 a row: 3 tokens for 5x the cost
+    assert auto.width(64, 64) == 0
 
 
 def test_auto_turns_speculation_off_when_it_does_not_pay_and_changes_nothing(model_tok):
@@ -268,7 +274,7 @@ def test_auto_turns_speculation_off_when_it_does_not_pay_and_changes_nothing(mod
     wrong = Sampler(model, tok, drafter=_FixedDraft(tok.encode("7")[0]), draft_tokens=4, auto=True)
     assert [r.sequences for r in wrong.sample(reqs)] == [r.sequences for r in Sampler(model, tok).sample(reqs)]
     assert wrong.spec_stats.auto_off_steps > wrong.spec_stats.verify_steps  # mostly plain once measured
-    assert wrong.auto.alpha < 0.2
+    assert wrong.auto.gain < 0.2
 
 
 class _Oracle:

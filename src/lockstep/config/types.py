@@ -238,9 +238,9 @@ class SpeculativeSpec:
     window: int = 16
     """suffix: earlier completions of each prompt kept for drafting."""
     auto: bool = False
-    """Choose the draft width each decode step from the measured cost of a step and the measured
-    acceptance, down to none: speculation turns itself off where it does not pay (many rows, poor
-    drafts) and back on where it does."""
+    """Draft or not, each decode step, from the measured cost of a step and the measured accepted
+    drafts: speculation turns itself off where it does not pay (many rows, poor drafts) and back on
+    where it does."""
 
     def __post_init__(self) -> None:
         p = "rollout.speculative"

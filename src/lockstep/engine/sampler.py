@@ -335,8 +335,8 @@ class Sampler:
         fed_until = rows.positions + (k + 1) * was_alive.long()
         rows.positions = rows.positions + (1 + accepted) * was_alive.long()
         spec.rollback(rows.cache, rows.positions, fed_until)  # the rejected tokens' slots
-        if self.auto is not None:  # a row whose run stopped short of its drafts (not by a stop) saw a rejection
-            self.auto.observe_drafts(int(accepted.sum()), int((was_alive & alive & (accepted < lengths)).sum()))
+        if self.auto is not None:
+            self.auto.observe_drafts(int(accepted.sum()), int(was_alive.sum()))
         st = self.spec_stats
         st.verify_steps += 1
         st.row_verifies += int((lengths > 0).sum())

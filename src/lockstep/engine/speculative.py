@@ -76,31 +76,31 @@ def rollback(cache, positions_R: torch.Tensor, fed_until_R: torch.Tensor) -> Non
 
 
 class AutoWidth:
-    """`auto`: how many tokens to draft this step (0: a plain step), from what speculation has been
-    measured to cost and to earn on this sampler's request stream.
+    """`auto`: whether to draft this step (width max_width) or not (0, a plain step), from what
+    speculation has been measured to cost and to earn on this sampler's request stream.
 
     Cost: a step feeding n tokens (rows x (1 + width)) takes a + b n seconds (drafting and the
-    acceptance included), fitted online by exponentially weighted least squares over the steps seen. Earnings: a drafted token is accepted
-    with probability alpha given that the ones before it were (accepted tokens over accepted tokens
-    plus rejections, exponentially weighted), so a row drafting w tokens emits 1 + alpha + ... +
-    alpha^w tokens in expectation. The width with the most expected tokens per second wins, if it
-    beats plain decoding by `margin`. While
-    speculation is off, every `probe_every`-th step drafts anyway, so that a stream whose drafts
-    start to pay turns it back on."""
+    acceptance included), fitted online by exponentially weighted least squares over the steps seen.
+    Earnings: the accepted drafts per live row in a verify step, measured (exponentially weighted):
+    no model of how acceptance falls along a draft, nor of drafts that come out short. A step
+    drafts when its expected tokens per second beat plain decoding's by `margin`. While speculation
+    is off, every `probe_every`-th step drafts anyway, so that a stream whose drafts start to pay
+    turns it back on."""
 
     def __init__(self, max_width: int, *, decay: float = 0.9, probe_every: int = 16, margin: float = 1.05):
         self.max_width, self.decay, self.probe_every, self.margin = max_width, decay, probe_every, margin
         self._sums = [0.0] * 5  # weighted n, n^2, t, n t, weight
-        self.accepted, self.rejected = 1.0, 1.0  # a uniform prior on alpha
+        self._gain = [1.0, 1.0]  # weighted accepted drafts, weighted live rows (prior: 1 a row)
         self.since_draft = 0
         self.observed = 0
 
     @property
-    def alpha(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
+    def gain(self) -> float:
+        """Accepted drafts per live row and verify step."""
+        return self._gain[0] / self._gain[1]
 
     def cost(self, n: int) -> float | None:
-        """Seconds of a forward over n fed tokens, or None before two different sizes were seen."""
+        """Seconds of a step feeding n tokens, or None before two different sizes were seen."""
         sn, snn, st, snt, w = self._sums
         det = w * snn - sn * sn
         if w <= 0 or det <= 1e-9 * max(1.0, snn * w):
@@ -117,22 +117,20 @@ class AutoWidth:
             self.observed += 1
             return self.max_width if self.observed % 2 else 0
         plain = live_rows / self.cost(fed_rows)
-        best, best_rate = 0, plain * self.margin  # speculate only for a clear gain: no flapping on noise
-        for w in range(1, self.max_width + 1):
-            rate = live_rows * sum(self.alpha ** i for i in range(w + 1)) / self.cost(fed_rows * (1 + w))
-            if rate > best_rate:
-                best, best_rate = w, rate
-        self.since_draft = 0 if best else self.since_draft + 1
-        if best == 0 and self.since_draft >= self.probe_every:
+        drafting = live_rows * (1 + self.gain) / self.cost(fed_rows * (1 + self.max_width))
+        if drafting > plain * self.margin:
             self.since_draft = 0
             return self.max_width
-        return best
+        self.since_draft += 1
+        if self.since_draft >= self.probe_every:
+            self.since_draft = 0
+            return self.max_width
+        return 0
 
     def observe_forward(self, fed: int, seconds: float) -> None:
         d = self.decay
         self._sums = [s * d + x for s, x in zip(self._sums, (fed, fed * fed, seconds, fed * seconds, 1.0))]
 
-    def observe_drafts(self, accepted: int, rejected: int) -> None:
+    def observe_drafts(self, accepted: int, live_rows: int) -> None:
         d = self.decay
-        self.accepted = self.accepted * d + accepted
-        self.rejected = self.rejected * d + rejected
+        self._gain = [self._gain[0] * d + accepted, self._gain[1] * d + live_rows]
