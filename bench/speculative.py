@@ -4,12 +4,12 @@
 
 The model: the built-in one after a supervised warm-up on `long_addition` (worked answers of 72
 tokens; `lockstep run bench/configs/long_sft.toml`, built once into bench/.work/long_model_<steps>). The workload:
-GRPO-shaped rollouts of held-out-style problems, `rows` samples in groups of 8 (fewer rows: one
-group), temperature 1, max_tokens 80, the same seeds on every side; each side runs the same
-sequence of calls, so the suffix drafter sees earlier completions of a prompt only where a plain
-RL run would have produced them (the prompts of call i are new to call i). Runs alternate
-(plain, suffix, suffix with `auto`, plain, ...), medians of the repeats. Outputs are asserted
-identical.
+GRPO-shaped rollouts of fresh problems (as the procedural task's training batches are), `rows`
+samples in groups of 8 (fewer rows: one group), temperature 1, max_tokens 80, the same seeds on
+every side; every timed run gets a fresh drafter, so drafts come from the prompt, the group's
+siblings and the row itself, never from a repeat of the same call. Runs alternate (plain, suffix,
+suffix with `auto`, plain, ...), medians of the repeats; acceptance is the last suffix run's.
+Outputs are asserted identical.
 """
 
 from __future__ import annotations
@@ -66,35 +66,39 @@ def main() -> None:
     rows_out = []
     for rows in [int(x) for x in a.rows.split(",")]:
         plain = Sampler(model, tok)
-        fast = Sampler(model, tok, drafter=SuffixDrafter(), draft_tokens=a.draft_tokens)
-        auto = Sampler(model, tok, drafter=SuffixDrafter(), draft_tokens=a.draft_tokens, auto=True)
         calls = [requests(tok, task, c, rows) for c in range(a.calls)]
         new_tokens = []
 
-        def run(sampler, record=False):
+        def speculative(auto: bool) -> Sampler:  # a fresh drafter each run: no memory of an earlier repeat
+            return Sampler(model, tok, drafter=SuffixDrafter(), draft_tokens=a.draft_tokens, auto=auto)
+
+        def run(make, record=False, keep=None):
             def go():
+                sampler = make()
                 outs = [sampler.sample(reqs) for reqs in calls]
                 if record:
                     new_tokens.append(sum(len(s.tokens) for out in outs for r in out for s in r.sequences))
+                if keep is not None:
+                    keep.append(sampler)
                 return outs
             return go
 
-        want = run(plain, record=True)()
-        assert run(fast)() == want and run(auto)() == want, "speculative decoding changed an output"
-        fast.spec_stats = type(fast.spec_stats)()
-        t_plain, t_fast, t_auto = [], [], []
+        want = run(lambda: plain, record=True)()
+        assert run(lambda: speculative(False))() == want and run(lambda: speculative(True))() == want, \
+            "speculative decoding changed an output"
+        t_plain, t_fast, t_auto, fast, auto = [], [], [], [], []
         for _ in range(a.repeats):
-            t_plain += timed(run(plain), 1)
-            t_fast += timed(run(fast), 1)
-            t_auto += timed(run(auto), 1)
-        st = fast.spec_stats
+            t_plain += timed(run(lambda: plain), 1)
+            t_fast += timed(run(lambda: speculative(False), keep=fast), 1)
+            t_auto += timed(run(lambda: speculative(True), keep=auto), 1)
+        st, auto_st = fast[-1].spec_stats, auto[-1].spec_stats
         tokens = new_tokens[0]
         rows_out.append({"rows": rows, "new_tokens": tokens, "plain_tok_s": tokens / median(t_plain),
                          "suffix_tok_s": tokens / median(t_fast), "suffix_vs_plain": median(t_plain) / median(t_fast),
                          "auto_tok_s": tokens / median(t_auto), "auto_vs_plain": median(t_plain) / median(t_auto),
                          "acceptance": st.acceptance, "accepted_per_verify": st.mean_accepted,
-                         "auto_off_steps": auto.spec_stats.auto_off_steps, "auto_verify_steps": auto.spec_stats.verify_steps,
-                         "draft_s_share": st.draft_seconds / sum(t_fast)})
+                         "auto_off_steps": auto_st.auto_off_steps, "auto_verify_steps": auto_st.verify_steps,
+                         "draft_s_share": st.draft_seconds / t_fast[-1]})
         print(rows_out[-1], flush=True)
     emit("speculative", rows_out, {"model": str(model_dir), "draft_tokens": a.draft_tokens, "calls": a.calls,
                                    "temperature": 1.0, "max_tokens": 80})

@@ -259,8 +259,10 @@ def test_auto_width_follows_measured_cost_and_acceptance():
     assert auto.width(64, 64) == 4  # 1 + 3 tokens for 4.2 ms against 1 for 1.64 ms: still pays
     for _ in range(60):  # now nothing is accepted any more
         auto.observe_drafts(accepted=0, live_rows=8)
-    widths = [auto.width(8, 8) for _ in range(10)]
-    assert widths.count(0) >= 8 and 4 in widths  # off, but probing now and then
+    widths = [auto.width(8, 8) for _ in range(60)]
+    probes = [i for i, w in enumerate(widths) if w]
+    assert probes and len(probes) <= 4 and widths.count(0) >= 56  # off, probing at doubling gaps
+    assert all(b - a > 5 for a, b in zip(probes, probes[1:]))
     for n in (64, 320) * 4:  # a step that costs in proportion to its tokens (compute-bound)
         auto.observe_forward(n, 1e-5 * n)
     for _ in range(60):

@@ -84,11 +84,14 @@ class AutoWidth:
     Earnings: the accepted drafts per live row in a verify step, measured (exponentially weighted):
     no model of how acceptance falls along a draft, nor of drafts that come out short. A step
     drafts when its expected tokens per second beat plain decoding's by `margin`. While speculation
-    is off, every `probe_every`-th step drafts anyway, so that a stream whose drafts start to pay
-    turns it back on."""
+    is off, a probe step drafts anyway, so that a stream whose drafts start to pay turns it back on:
+    `probe_every` steps after the last drafting step, then at doubling gaps (up to
+    `max_probe_gap`) while probes keep finding that it does not pay."""
 
-    def __init__(self, max_width: int, *, decay: float = 0.9, probe_every: int = 16, margin: float = 1.05):
+    def __init__(self, max_width: int, *, decay: float = 0.9, probe_every: int = 16, max_probe_gap: int = 1024,
+                 margin: float = 1.05):
         self.max_width, self.decay, self.probe_every, self.margin = max_width, decay, probe_every, margin
+        self.probe_gap, self.max_probe_gap = probe_every, max_probe_gap
         self._sums = [0.0] * 5  # weighted n, n^2, t, n t, weight
         self._gain = [1.0, 1.0]  # weighted accepted drafts, weighted live rows (prior: 1 a row)
         self.since_draft = 0
@@ -119,11 +122,11 @@ class AutoWidth:
         plain = live_rows / self.cost(fed_rows)
         drafting = live_rows * (1 + self.gain) / self.cost(fed_rows * (1 + self.max_width))
         if drafting > plain * self.margin:
-            self.since_draft = 0
+            self.since_draft, self.probe_gap = 0, self.probe_every
             return self.max_width
         self.since_draft += 1
-        if self.since_draft >= self.probe_every:
-            self.since_draft = 0
+        if self.since_draft >= self.probe_gap:  # a probe; each one that does not pay doubles the gap
+            self.since_draft, self.probe_gap = 0, min(2 * self.probe_gap, self.max_probe_gap)
             return self.max_width
         return 0
 
