@@ -20,14 +20,16 @@ def test_cli_surface_is_frozen():
         "run --help/-h", "run --run-dir", "run --ray-address", "run --dry-run", "run --resume",
         "check --help/-h",
         "check consistency --help/-h", "check consistency --model", "check consistency --json",
-        "check consistency --seed", "check consistency --max-tokens",
+        "check consistency --seed", "check consistency --max-tokens", "check consistency --speculative",
+        "check consistency --draft-tokens",
         "serve --help/-h", "serve --host", "serve --port", "serve --db", "serve --storage", "serve --model",
         "serve --ray-address", "serve --no-worker", "serve --max-body-mb", "serve --job-slots", "serve --policy",
         "worker --help/-h", "worker --db", "worker --storage", "worker --model", "worker --ray-address",
         "worker --persist-every", "worker --job-slots", "worker --policy",
         # the worker's bounds, on `worker` and on `serve` (for the worker it starts)
         *(f"{cmd} --{flag}" for cmd in ("serve", "worker") for flag in (
-            "max-attempts", "max-models", "max-samplers", "fetch-cache-mb", "janitor-every", "session-ttl")),
+            "max-attempts", "max-models", "max-samplers", "fetch-cache-mb", "janitor-every", "session-ttl",
+            "speculative", "draft-tokens")),
         "serve --persist-every",
         "tenants --help/-h", "tenants create --help/-h", "tenants create --db", "tenants create --json",
         "tenants create --max-jobs", "tenants create --max-models",
