@@ -48,9 +48,6 @@ def _cmd_check_consistency(args) -> int:
     return 0 if ok else 1
 
 
-DRAFTER_CHOICES = ("off", "suffix")  # engine/drafters.py DRAFTERS (the CLI module does not import the engine)
-
-
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -407,7 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     cons.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     cons.add_argument("--seed", type=int, default=0)
     cons.add_argument("--max-tokens", type=int, default=16)
-    cons.add_argument("--speculative", choices=DRAFTER_CHOICES, default="off",
+    from lockstep.config.types import DRAFTERS
+
+    cons.add_argument("--speculative", choices=DRAFTERS, default="off",
                       help="decode speculatively with this drafter (outputs must stay bit for bit)")
     cons.add_argument("--draft-tokens", type=_positive_int, default=4, help="tokens drafted per row and step")
     cons.set_defaults(func=_cmd_check_consistency)

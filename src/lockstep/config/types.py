@@ -220,7 +220,8 @@ def default_stages() -> tuple[StageSpec, ...]:
 
 
 DRAFTERS = ("off", "suffix")
-"""engine/drafters.py's drafters by name (the config layer does not import the engine)."""
+"""Speculative-decoding drafters by name: `rollout.speculative.drafter`, `lockstep check consistency
+--speculative`, `lockstep serve --speculative`; engine/drafters.py builds them."""
 
 
 @dataclass(frozen=True)

@@ -8,19 +8,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
+from lockstep.config.types import DRAFTERS
 from lockstep.engine.types import EngineError
-
-DRAFTERS = ("off", "suffix")
-"""Drafters by name (`rollout.speculative.drafter`, `lockstep check consistency --speculative`)."""
 
 
 def make_drafter(name: str, **options):
-    """The drafter called `name` (None for "off"), built with its own options."""
-    if name == "off":
-        return None
-    if name == "suffix":
-        return SuffixDrafter(**options)
-    raise EngineError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
+    """The drafter called `name` (one of config.types.DRAFTERS; None for "off"), built with its own
+    options."""
+    factories = {"off": lambda: None, "suffix": lambda: SuffixDrafter(**options)}
+    assert set(factories) == set(DRAFTERS), "engine/drafters.py and config.types.DRAFTERS disagree"
+    if name not in factories:
+        raise EngineError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
+    return factories[name]()
 
 
 class _PromptIndex:

@@ -8,7 +8,6 @@ The API process never imports torch.
 from __future__ import annotations
 
 import argparse
-
 import logging
 import os
 import signal
@@ -17,6 +16,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from lockstep.config.types import DRAFTERS
 
 log = logging.getLogger("lockstep.serve")
 
@@ -159,7 +160,7 @@ WORKER_OPTIONS = (  # (flag, WorkerConfig field, type, help): shared by `lockste
     ("--janitor-every", "janitor_every_s", float, "seconds between deletions of expired checkpoints"),
     ("--session-ttl", "session_ttl_s", float, "seconds after a session's last heartbeat its sampler snapshots "
                                               "are deleted"),
-    ("--speculative", "speculative", lambda v: _choice(v, ("off", "suffix")),
+    ("--speculative", "speculative", lambda v: _choice(v, DRAFTERS),
      "speculative decoding in sampling sessions: off or suffix (samples and logprobs never change)"),
     ("--draft-tokens", "draft_tokens", lambda v: _at_least(v, 1, 64), "tokens drafted per row and step, at most"),
 )
