@@ -17,11 +17,37 @@ def sampler(qwen2_dir):
     return Sampler(InvariantLM(hf), tok)
 
 
-def _trainer_logprobs(model, prompt, tokens):
+def trainer_logprobs(model, prompt, tokens):
+    """log p of every token after the first of prompt + tokens, by the trainer's full forward."""
     full = torch.tensor([list(prompt) + list(tokens)])
     with torch.no_grad():
         lp = model.logprobs_of(model.hidden_states(full[:, :-1]), full[:, 1:])[0]
     return lp
+
+
+class WeightSwap:
+    """A `between_steps` callback that, on its `at`-th call, swaps every parameter to perturbed
+    weights (by `.data`, as the generator's zero-copy swap does) and sets the sampler's policy
+    version to 1; `use(old or new)` puts either set back for a recomputation."""
+
+    def __init__(self, hf, sampler, at: int = 3):
+        self.params = dict(hf.named_parameters())
+        self.old = {n: p.detach().clone() for n, p in self.params.items()}
+        g = torch.Generator().manual_seed(0)
+        self.new = {n: p + 0.05 * torch.randn(p.shape, generator=g) for n, p in self.old.items()}
+        self.sampler, self.at, self.calls = sampler, at, 0
+
+    def use(self, weights: dict) -> None:
+        for n, p in self.params.items():
+            p.data = weights[n]
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        if self.calls != self.at:
+            return False
+        self.use(self.new)
+        self.sampler.policy_version = 1
+        return True
 
 
 def req(prompt, n=1, **kw):
@@ -43,7 +69,7 @@ def test_logprobs_equal_trainer_forward_bitwise(sampler):
     results = sampler.sample([req(p, n=2, max_tokens=10, seed=i, stop=()) for i, p in enumerate(prompts)])
     for p, r in zip(prompts, results):
         for s in r.sequences:
-            lp = _trainer_logprobs(sampler.model, p, s.tokens)[len(p) - 1 :]
+            lp = trainer_logprobs(sampler.model, p, s.tokens)[len(p) - 1 :]
             assert lp.tolist() == list(s.logprobs)
 
 
@@ -51,7 +77,7 @@ def test_prompt_logprobs_match_trainer(sampler):
     prompt = list(range(20, 45))
     r = sampler.sample([SampleRequest(tuple(prompt), SamplingParams(max_tokens=1, seed=0), prompt_logprobs=True)])[0]
     assert math.isnan(r.prompt_logprobs[0]) and len(r.prompt_logprobs) == len(prompt)
-    lp = _trainer_logprobs(sampler.model, prompt[:-1], prompt[-1:])
+    lp = trainer_logprobs(sampler.model, prompt[:-1], prompt[-1:])
     assert list(r.prompt_logprobs[1:]) == lp.tolist()
 
 
@@ -96,7 +122,7 @@ def test_greedy_is_argmax_and_top_k_1_matches(sampler):
     k1 = sampler.sample([req([7, 8, 9], max_tokens=8, top_k=1, seed=5, stop=())])[0].sequences[0]
     assert g.tokens == k1.tokens
     assert all(lp == 0.0 for lp in k1.logprobs)  # the truncated distribution is a point mass
-    lp = _trainer_logprobs(sampler.model, [7, 8, 9], g.tokens)[2:]
+    lp = trainer_logprobs(sampler.model, [7, 8, 9], g.tokens)[2:]
     assert lp.tolist() == list(g.logprobs)  # greedy reports the model's log p
 
 
@@ -166,32 +192,17 @@ def test_hot_swap_between_decode_steps_keeps_logprobs_exact(qwen2_dir):
     hf, tok = load_model(qwen2_dir)
     model = InvariantLM(hf)
     sampler = Sampler(model, tok)
-    old = {n: p.detach().clone() for n, p in hf.named_parameters()}
-    g = torch.Generator().manual_seed(0)
-    new = {n: p + 0.05 * torch.randn(p.shape, generator=g) for n, p in old.items()}
-    params = dict(hf.named_parameters())
-    calls = {"n": 0}
-
-    def swap():
-        calls["n"] += 1
-        if calls["n"] != 3:
-            return False
-        for n, p in params.items():
-            p.data = new[n]  # what the generator's zero-copy swap does
-        sampler.policy_version = 1
-        return True
+    swap = WeightSwap(hf, sampler)
 
     prompts = [[5, 6, 7], [8] * 12]
     res = sampler.sample([req(p, n=2, max_tokens=8, seed=i, stop=()) for i, p in enumerate(prompts)], between_steps=swap)
     for p, r in zip(prompts, res):
         for s in r.sequences:
             assert s.policy_version == 0 and s.token_versions == (0, 0, 0, 1, 1, 1, 1, 1)
-            for n, w in params.items():
-                w.data = old[n]
-            before = _trainer_logprobs(model, p, s.tokens)[len(p) - 1 :]
-            for n, w in params.items():
-                w.data = new[n]
-            after = _trainer_logprobs(model, p, s.tokens)[len(p) - 1 :]
+            swap.use(swap.old)
+            before = trainer_logprobs(model, p, s.tokens)[len(p) - 1 :]
+            swap.use(swap.new)
+            after = trainer_logprobs(model, p, s.tokens)[len(p) - 1 :]
             assert before[:3].tolist() == list(s.logprobs[:3])  # tokens 0-2 sampled before the swap
             assert after[3:].tolist() == list(s.logprobs[3:])  # the rest under the new weights
             assert before[3:].tolist() != list(s.logprobs[3:])
@@ -230,4 +241,4 @@ def test_mixed_sampling_params_per_row_never_depend_on_the_batch(which, request)
         assert a == t == r, f"row {k} ({MIXED[k][1]}) depends on what shares its batch"
     for p, seqs in ((MIXED[0][0], together[0]), (MIXED[5][0], together[5])):  # plain and greedy rows
         for seq in seqs:  # report the model's own log p, exactly the trainer's, in a mixed batch too
-            assert _trainer_logprobs(s.model, p, seq.tokens)[len(p) - 1 :].tolist() == list(seq.logprobs)
+            assert trainer_logprobs(s.model, p, seq.tokens)[len(p) - 1 :].tolist() == list(seq.logprobs)

@@ -13,6 +13,7 @@ from lockstep.engine.loading import load_model
 from lockstep.engine.model import InvariantLM
 from lockstep.engine.sampler import Sampler
 from lockstep.engine.types import EngineError, SampleRequest, SamplingParams
+from test_sampler import WeightSwap, trainer_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +79,7 @@ def test_accepted_tokens_logprobs_equal_the_trainers_recomputation(model_tok):
     fast.sample(reqs)
     for r, q in zip(fast.sample(reqs), reqs):
         for s in r.sequences:
-            full = torch.tensor([list(q.prompt) + list(s.tokens)])
-            with torch.no_grad():
-                lp = model.logprobs_of(model.hidden_states(full[:, :-1]), full[:, 1:])[0]
-            assert lp[len(q.prompt) - 1 :].tolist() == list(s.logprobs)
+            assert trainer_logprobs(model, q.prompt, s.tokens)[len(q.prompt) - 1 :].tolist() == list(s.logprobs)
     assert fast.spec_stats.mean_accepted > 0.5
 
 
@@ -183,20 +181,7 @@ def test_hot_swap_with_speculation_keeps_every_logprob_exact(qwen2_dir):
     hf, tok = load_model(qwen2_dir)
     model = InvariantLM(hf)
     sampler = Sampler(model, tok, drafter=SuffixDrafter(), draft_tokens=3)
-    params = dict(hf.named_parameters())
-    old = {n: p.detach().clone() for n, p in params.items()}
-    g = torch.Generator().manual_seed(0)
-    new = {n: p + 0.05 * torch.randn(p.shape, generator=g) for n, p in old.items()}
-    calls = {"n": 0}
-
-    def swap():
-        calls["n"] += 1
-        if calls["n"] != 3:
-            return False
-        for n, p in params.items():
-            p.data = new[n]
-        sampler.policy_version = 1
-        return True
+    swap = WeightSwap(hf, sampler)
 
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [8] * 12]
     res = sampler.sample([SampleRequest(tuple(p), SamplingParams(max_tokens=16, seed=i, stop=()), num_samples=2)
@@ -206,12 +191,9 @@ def test_hot_swap_with_speculation_keeps_every_logprob_exact(qwen2_dir):
         for s in r.sequences:
             versions = list(s.token_versions)
             assert versions == sorted(versions) and versions[0] == 0 and versions[-1] == 1
-            for version, weights in ((0, old), (1, new)):
-                for n, w in params.items():
-                    w.data = weights[n]
-                full = torch.tensor([list(p) + list(s.tokens)])
-                with torch.no_grad():
-                    lp = model.logprobs_of(model.hidden_states(full[:, :-1]), full[:, 1:])[0, len(p) - 1 :]
+            for version, weights in ((0, swap.old), (1, swap.new)):
+                swap.use(weights)
+                lp = trainer_logprobs(model, p, s.tokens)[len(p) - 1 :]
                 mine = [i for i, v in enumerate(versions) if v == version]
                 assert [lp[i].item() for i in mine] == [s.logprobs[i] for i in mine]
 

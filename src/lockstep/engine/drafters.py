@@ -31,7 +31,6 @@ class _PromptIndex:
         self.max_ngram = max_ngram
         self.index: dict[tuple[int, ...], tuple[list[int], int]] = {}
         self.completions: list[list[int]] = []
-        self.indexed_tokens = 0
         self._add_all(list(prompt))
 
     def _add_all(self, seq: list[int]) -> None:
@@ -42,7 +41,6 @@ class _PromptIndex:
         """Index the n-grams that end just before seq[i] (seq[i] now exists)."""
         for n in range(1, min(self.max_ngram, i) + 1):
             self.index[tuple(seq[i - n : i])] = (seq, i)
-        self.indexed_tokens += 1
 
     def propose(self, seq: list[int], k: int) -> list[int]:
         """Up to k tokens: what followed the longest recent match of seq's suffix, and, while that
@@ -100,7 +98,7 @@ class SuffixDrafter:
             fresh = _PromptIndex(prompt, self.max_ngram)
             for seq in idx.completions:
                 fresh._add_all(seq)
-            idx.index, idx.indexed_tokens = fresh.index, fresh.indexed_tokens
+            idx.index = fresh.index
 
 
 class SuffixSession:

@@ -229,7 +229,7 @@ class Sampler:
             ids = rows.ids[alive]
             ended = tape.record(ids, tokens[alive], lps[alive], self.policy_version)
             if session is not None:
-                session = self._draft_call(session, "append", ids.tolist(), tokens[alive].tolist())
+                session = self._feed_drafter(session, ids.tolist(), tokens[alive].unsqueeze(1).tolist())
             alive[alive.clone()] = ~ended
             if not bool(alive.any()):
                 break
@@ -242,22 +242,23 @@ class Sampler:
             drafts = lengths = None
             width = self.draft_tokens if self.auto is None else self.auto.width(len(alive), int(alive.sum()))
             self.spec_stats.auto_off_steps += self.auto is not None and width == 0
-            step_started = time.perf_counter()
+            started = time.perf_counter()
             if session is not None and width > 0:
                 drafts, lengths, session = self._drafts(session, rows, alive, tape, width)
             if drafts is None:  # plain decoding: feed the token, get the next logits
-                started = time.perf_counter()
                 hidden = self.model.hidden_states(tokens.unsqueeze(1), rows.positions.unsqueeze(1), rows.cache)
                 rows.positions = rows.positions + alive.long()  # finished rows stay put (bounded cache)
                 logits = self.model.logits(hidden[:, 0])
-                if self.auto is not None:
-                    self.auto.observe_forward(len(alive), time.perf_counter() - started)
             else:
                 logits = self._verify(rows, alive, tokens, drafts, lengths, tape, session)
-                if self.auto is not None:  # the whole step: drafting, the forward and the acceptance
-                    self.auto.observe_forward(len(alive) * (1 + drafts.shape[1]), time.perf_counter() - step_started)
+            if self.auto is not None:  # the whole step: drafting, the forward and the acceptance
+                fed = len(alive) * (1 if drafts is None else 1 + drafts.shape[1])
+                self.auto.observe_forward(fed, time.perf_counter() - started)
         if session is not None:
-            self._draft_call(session, "finish")
+            try:
+                session.finish()
+            except Exception:  # noqa: BLE001 - only the drafter's memory of this call is lost
+                self._drafter_failed()
         if self.drafter is not None and session is None:
             self.spec_stats.plain_fallbacks += 1
         return tape.outputs()
@@ -272,16 +273,14 @@ class Sampler:
             self._drafter_failed()
             return None
 
-    def _draft_call(self, session, method: str, *args):
-        """session.method(*args) per row, or None (plain decoding from here on) if the drafter fails."""
+    def _feed_drafter(self, session, rows: list[int], runs: list[list[int]]):
+        """session.append(row, run) for each row's newly emitted tokens; None (plain decoding from
+        here on) if the drafter fails."""
         try:
-            if method == "append":
-                for row, token in zip(*args):
-                    session.append(row, (token,))
-            else:
-                getattr(session, method)(*args)
+            for row, run in zip(rows, runs):
+                session.append(row, run)
             return session
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a drafter never fails a rollout
             self._drafter_failed()
             return None
 
@@ -329,9 +328,8 @@ class Sampler:
             accepted, ended = tape.record_runs(rows.ids, drafts, lps, run, self.policy_version)
             alive[ended] = False
             if session is not None:
-                for r in (accepted > 0).nonzero().squeeze(1).tolist():
-                    self._draft_call(session, "append", [int(rows.ids[r])] * int(accepted[r]),
-                                     drafts[r, : int(accepted[r])].tolist())
+                took = (accepted > 0).nonzero().squeeze(1).tolist()
+                self._feed_drafter(session, rows.ids[took].tolist(), [drafts[r, : int(accepted[r])].tolist() for r in took])
         fed_until = rows.positions + (k + 1) * was_alive.long()
         rows.positions = rows.positions + (1 + accepted) * was_alive.long()
         spec.rollback(rows.cache, rows.positions, fed_until)  # the rejected tokens' slots
@@ -353,7 +351,8 @@ class Sampler:
             if at.numel() == 0:
                 break
             ended = tape.record(rows.ids[at], drafts[at, i], lps[at, i], self.policy_version)
-            self._draft_call(session, "append", rows.ids[at].tolist(), drafts[at, i].tolist())
+            if session is not None:
+                self._feed_drafter(session, rows.ids[at].tolist(), drafts[at, i].unsqueeze(1).tolist())
             accepted[at] += 1
             alive[at[ended]] = False
         return accepted

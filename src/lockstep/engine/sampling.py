@@ -29,7 +29,8 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 def uniform(keys_R: torch.Tensor, steps_R: torch.Tensor) -> torch.Tensor:
     """One float64 uniform in (0, 1) per row, a pure function of (row key, row step)."""
-    mixed = torch.tensor([_splitmix64(s) & _M32 for s in steps_R.tolist()], dtype=torch.int64)
+    distinct, where = torch.unique(steps_R, return_inverse=True)  # one Python mix per distinct step
+    mixed = torch.tensor([_splitmix64(s) & _M32 for s in distinct.tolist()], dtype=torch.int64)[where]
     h = _hash32(keys_R ^ mixed)
     return (h.double() + 0.5) / 4294967296.0
 

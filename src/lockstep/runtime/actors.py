@@ -12,7 +12,6 @@ again, so a restart that happens between two calls is noticed rather than traine
 from __future__ import annotations
 
 import dataclasses
-
 import threading
 import time
 import uuid
