@@ -35,15 +35,15 @@ def test_every_sampled_token_is_bitwise_equal(which, path, qwen2_dir, tmp_path):
     assert not report["moe"] and report["routing_compared"] == 0
 
 
-@pytest.mark.parametrize("path", ["fused", "eager"])
-def test_speculative_decoding_keeps_every_token_bitwise_equal(path, tmp_path):
-    """`--speculative suffix`: the sampler verifies drafted tokens in its forward; every sampled
-    token's logprob still equals the trainer's, and drafts were really accepted."""
-    code, report = _check("--speculative", "suffix", "--draft-tokens", "3", home=tmp_path, LOCKSTEP_KERNELS=path)
+@pytest.mark.parametrize("drafter,path", [("suffix", "fused"), ("suffix", "eager"), ("model", "fused")])
+def test_speculative_decoding_keeps_every_token_bitwise_equal(drafter, path, tmp_path):
+    """`--speculative suffix|model`: the sampler verifies drafted tokens in its forward; every
+    sampled token's logprob still equals the trainer's, and drafts were really accepted."""
+    code, report = _check("--speculative", drafter, "--draft-tokens", "3", home=tmp_path, LOCKSTEP_KERNELS=path)
     assert code == 0
     assert report["tokens_bitwise_equal"] == report["tokens_compared"] >= 6000
     spec = report["speculative"]
-    assert spec["drafter"] == "suffix" and spec["draft_tokens"] == 3
+    assert spec["drafter"] == drafter and spec["draft_tokens"] == 3
     assert spec["drafted"] > spec["accepted"] > 0
 
 

@@ -33,7 +33,7 @@ class _FixedDraft:
     def __init__(self, token):
         self.token = token
 
-    def session(self, prompts):
+    def session(self, prompts, **context):
         return self
 
     def append(self, row, tokens):
@@ -155,7 +155,7 @@ class _Broken(_FixedDraft):
         super().__init__(7)
         self.where = where
 
-    def session(self, prompts):
+    def session(self, prompts, **context):
         if self.where == "session":
             raise RuntimeError("drafter down")
         return self
@@ -267,7 +267,7 @@ class _Oracle:
     def __init__(self, completions):
         self.completions = completions
 
-    def session(self, prompts):
+    def session(self, prompts, **context):
         self.seqs = [list(p) for p in prompts]
         self.plen = [len(p) for p in prompts]
         return self

@@ -219,7 +219,7 @@ def default_stages() -> tuple[StageSpec, ...]:
     )
 
 
-DRAFTERS = ("off", "suffix")
+DRAFTERS = ("off", "suffix", "model")
 """Speculative-decoding drafters by name: `rollout.speculative.drafter`, `lockstep check consistency
 --speculative`, `lockstep serve --speculative`; engine/drafters.py builds them."""
 
@@ -230,14 +230,27 @@ class SpeculativeSpec:
     sampled and every logprob stay exactly those of plain decoding; only the speed changes."""
 
     drafter: str = "off"
-    """"off", or "suffix": model-free drafts from the prompt, the group's other samples and the
-    last completions of the same prompt."""
+    """"off"; "suffix": model-free drafts from the prompt, the group's other samples and the last
+    completions of the same prompt; "model": a small draft model that learns online from the
+    generator's samples (engine/draft_model.py)."""
     draft_tokens: int = 4
     """Tokens drafted per row and decode step (k)."""
     max_ngram: int = 4
     """suffix: the longest suffix of a row matched against the index."""
     window: int = 16
     """suffix: earlier completions of each prompt kept for drafting."""
+    draft_layers: int = 1
+    """model: decoder layers of the draft, taken from the policy's first layers at start."""
+    draft_model: str = ""
+    """model: a trained draft in a transformers directory instead (its tokenizer must be the
+    policy's); empty: the early exit of the policy."""
+    draft_train: bool = True
+    """model: distil the generator's samples into the draft while the run goes (a background thread)."""
+    draft_lr: float = 1e-3
+    draft_batch: int = 32
+    """model: samples per distillation step; a step runs each time this many new ones finished."""
+    draft_updates: int = 2
+    """model: optimizer steps per `draft_batch` new samples (the newest and a replay of earlier ones)."""
     auto: bool = False
     """Draft or not, each decode step, from the measured cost of a step and the measured accepted
     drafts: speculation turns itself off where it does not pay (many rows, poor drafts) and back on
@@ -253,9 +266,24 @@ class SpeculativeSpec:
         _require(isinstance(self.window, int) and 0 <= self.window <= 4096, f"{p}.window", "an integer in [0, 4096]",
                  self.window)
         _require(isinstance(self.auto, bool), f"{p}.auto", "true or false", self.auto)
+        _require(isinstance(self.draft_layers, int) and 1 <= self.draft_layers <= 64, f"{p}.draft_layers",
+                 "an integer in [1, 64]", self.draft_layers)
+        _require(isinstance(self.draft_model, str), f"{p}.draft_model", "a directory path or empty", self.draft_model)
+        _require(isinstance(self.draft_train, bool), f"{p}.draft_train", "true or false", self.draft_train)
+        _require(isinstance(self.draft_lr, (int, float)) and 0 < self.draft_lr < 1, f"{p}.draft_lr", "a number in (0, 1)",
+                 self.draft_lr)
+        _require(isinstance(self.draft_batch, int) and 1 <= self.draft_batch <= 1024, f"{p}.draft_batch",
+                 "an integer in [1, 1024]", self.draft_batch)
+        _require(isinstance(self.draft_updates, int) and 1 <= self.draft_updates <= 64, f"{p}.draft_updates",
+                 "an integer in [1, 64]", self.draft_updates)
 
     def drafter_options(self) -> dict:
-        return {"max_ngram": self.max_ngram, "window": self.window} if self.drafter == "suffix" else {}
+        if self.drafter == "suffix":
+            return {"max_ngram": self.max_ngram, "window": self.window}
+        if self.drafter == "model":
+            return {"layers": self.draft_layers, "path": self.draft_model or None, "train": self.draft_train,
+                    "lr": float(self.draft_lr), "batch": self.draft_batch, "updates": self.draft_updates}
+        return {}
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lockstep.config.types import DRAFTERS
 from lockstep.engine.drafters import make_drafter
 from lockstep.engine.model import InvariantLM, RoutingLog
 from lockstep.engine.sampler import Sampler
 from lockstep.engine.trainer import Trainer
-from lockstep.engine.types import Datum, LoraSpec, SampleRequest, SamplingParams
+from lockstep.engine.types import Datum, EngineError, LoraSpec, SampleRequest, SamplingParams
 
 BATCH_SIZES = (1, 7, 64)
 THREADS = ((1, 4), (2, 1), (4, 2))
@@ -94,8 +95,8 @@ def _invariant_case(trainer: Trainer, prompts, max_tokens: int, seed: int, threa
                     tally: Tally, speculative: dict) -> dict:
     sampler_model = InvariantLM(copy.deepcopy(trainer.hf_model))  # a published copy
     sampler_model.routing = RoutingLog()
-    sampler = Sampler(sampler_model, trainer.tokenizer, drafter=make_drafter(speculative["drafter"]),
-                      draft_tokens=speculative["draft_tokens"])
+    drafter = make_drafter(speculative["drafter"], target=sampler_model, tokenizer=trainer.tokenizer)
+    sampler = Sampler(sampler_model, trainer.tokenizer, drafter=drafter, draft_tokens=speculative["draft_tokens"])
     params = SamplingParams(max_tokens=max_tokens, seed=seed, stop=())
     # With speculation, every other prompt decodes greedily: an untrained model's samples at
     # temperature 1 are noise that no drafter predicts, and the check must see drafts accepted too.
@@ -118,6 +119,8 @@ def _invariant_case(trainer: Trainer, prompts, max_tokens: int, seed: int, threa
         "target_tokens"][-1])] for d in data], prompts, threads[1])
     tally.routing_compared += routing[0]
     tally.routing_equal += routing[1]
+    if hasattr(drafter, "close"):
+        drafter.close()
     speculative["drafted"] += sampler.spec_stats.drafted
     speculative["accepted"] += sampler.spec_stats.accepted
     return {"tokens": n, "equal": eq, "max_abs_diff": mx, "routing_compared": routing[0], "routing_equal": routing[1]}
@@ -198,7 +201,8 @@ def is_moe(model_dir: str) -> bool:
 def run(model_dir: str, *, seed: int = 0, max_tokens: int = 16, lora_rank: int = 8, speculative: str = "off",
         draft_tokens: int = 4) -> dict:
     """Run the workload; return the summary dict (see module docstring)."""
-    make_drafter(speculative)  # an unknown name fails before any work
+    if speculative not in DRAFTERS:  # an unknown name fails before any work
+        raise EngineError(f"unknown drafter {speculative!r}; choose one of {', '.join(DRAFTERS)}")
     spec = {"drafter": speculative, "draft_tokens": draft_tokens, "drafted": 0, "accepted": 0}
     rng = random.Random(seed)
     ours, hf = Tally(), Tally()

@@ -12,14 +12,23 @@ from lockstep.config.types import DRAFTERS
 from lockstep.engine.types import EngineError
 
 
-def make_drafter(name: str, **options):
+def make_drafter(name: str, *, target=None, tokenizer=None, **options):
     """The drafter called `name` (one of config.types.DRAFTERS; None for "off"), built with its own
-    options."""
-    factories = {"off": lambda: None, "suffix": lambda: SuffixDrafter(**options)}
+    options; "model" drafts with a small model made from (or checked against) the target
+    InvariantLM and its tokenizer."""
+    factories = {"off": lambda: None, "suffix": lambda: SuffixDrafter(**options), "model": lambda: _model(target, tokenizer, options)}
     assert set(factories) == set(DRAFTERS), "engine/drafters.py and config.types.DRAFTERS disagree"
     if name not in factories:
         raise EngineError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
     return factories[name]()
+
+
+def _model(target, tokenizer, options):
+    from lockstep.engine.draft_model import ModelDrafter
+
+    if target is None or tokenizer is None:
+        raise EngineError("the model drafter needs the target model and its tokenizer")
+    return ModelDrafter(target, tokenizer, **options)
 
 
 class _PromptIndex:
@@ -78,8 +87,9 @@ class SuffixDrafter:
         self.max_ngram, self.window, self.max_prompts = max_ngram, window, max_prompts
         self._prompts: OrderedDict[tuple[int, ...], _PromptIndex] = OrderedDict()
 
-    def session(self, prompts: Sequence[Sequence[int]]) -> "SuffixSession":
-        """Start drafting for one sample() call; prompts[r] is row r's prompt."""
+    def session(self, prompts: Sequence[Sequence[int]], **context) -> "SuffixSession":
+        """Start drafting for one sample() call; prompts[r] is row r's prompt (the sampler's
+        context, its cache capacity and policy version, is not needed here)."""
         return SuffixSession(self, [self._index(tuple(p)) for p in prompts], prompts)
 
     def _index(self, prompt: tuple[int, ...]) -> _PromptIndex:

@@ -10,6 +10,7 @@ logprob. With a drafter, each step verifies drafted tokens in the same forward
 from __future__ import annotations
 
 import logging
+import dataclasses
 import math
 import os
 import time
@@ -215,13 +216,19 @@ class Sampler:
         positions = torch.tensor([len(requests[i].prompt) for i in owner])
         return _Rows(torch.arange(len(owner)), params, positions, cache.select(idx))
 
+    def speculation_stats(self) -> dict:
+        """SpecStats' counters, and a learning drafter's own (draft version, the policy version it
+        learned from, its training steps)."""
+        own = getattr(self.drafter, "stats", None)
+        return {**dataclasses.asdict(self.spec_stats), **(own() if callable(own) else {})}
+
     def _draft_room(self) -> int:
         """Cache slots past a completion's last token that a verify forward may write to."""
         return self.draft_tokens if self.drafter is not None else 0
 
     def _decode(self, requests, owner, rows: _Rows, logits, between_steps) -> _Out:
         tape = _Tape(self, requests, owner)
-        session = self._draft_session(requests, owner)
+        session = self._draft_session(requests, owner, rows.cache.capacity)
         alive = torch.ones(len(owner), dtype=torch.bool)
         while True:
             # Every live row draws its next token from `logits` at its own token index.
@@ -264,11 +271,12 @@ class Sampler:
         return tape.outputs()
 
     # -- speculation -------------------------------------------------------------------------
-    def _draft_session(self, requests, owner):
+    def _draft_session(self, requests, owner, capacity: int):
         if self.drafter is None:
             return None
         try:
-            return self.drafter.session([requests[i].prompt for i in owner])
+            return self.drafter.session([requests[i].prompt for i in owner], capacity=capacity,
+                                        policy_version=self.policy_version)
         except Exception:  # noqa: BLE001 - a drafter never fails a rollout: decode plainly
             self._drafter_failed()
             return None

@@ -52,8 +52,12 @@ def draft_block(session, rows: list[int], budgets: list[int], k: int, pad: int) 
     """(drafts (R, k), lengths (R,)): each row's proposal, at most its budget, padded with `pad`."""
     out = torch.full((len(rows), k), pad, dtype=torch.long)
     lengths = torch.zeros(len(rows), dtype=torch.long)
-    for i, (r, budget) in enumerate(zip(rows, budgets)):
-        d = session.propose(r, min(k, budget))
+    if hasattr(session, "draft"):  # a batched drafter (a model): every row in one call
+        proposals = session.draft(rows, budgets, k)
+    else:
+        proposals = [session.propose(r, min(k, budget)) for r, budget in zip(rows, budgets)]
+    for i, (d, budget) in enumerate(zip(proposals, budgets)):
+        d = list(d)[: min(k, budget)]
         if d:
             out[i, : len(d)] = torch.tensor(d, dtype=torch.long)
             lengths[i] = len(d)

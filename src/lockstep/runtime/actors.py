@@ -11,7 +11,6 @@ again, so a restart that happens between two calls is noticed rather than traine
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 import uuid
@@ -147,7 +146,8 @@ class GeneratorActor:
 
         trainer = _load(model_path, lora_rank, lora_alpha)  # same module tree and parameter names
         self.params = trainer.params
-        drafter = make_drafter(speculative.drafter, **speculative.drafter_options()) if speculative else None
+        drafter = make_drafter(speculative.drafter, target=trainer.model, tokenizer=trainer.tokenizer,
+                               **speculative.drafter_options()) if speculative else None
         self.sampler = Sampler(trainer.model, trainer.tokenizer, drafter=drafter,
                                draft_tokens=speculative.draft_tokens if speculative else 4,
                                auto=bool(speculative and speculative.auto))
@@ -203,7 +203,7 @@ class GeneratorActor:
         lat = self.swap_latency_s
         return {"version": self.sampler.policy_version, "busy_s": self.busy_s, "incarnation": self.incarnation,
                 "swap_latency_s_max": max(lat) if lat else 0.0, "swap_latency_s_last": lat[-1] if lat else 0.0,
-                "swaps": len(lat), "speculative": dataclasses.asdict(self.sampler.spec_stats)}
+                "swaps": len(lat), "speculative": self.sampler.speculation_stats()}
 
 
 def _log_envs_to(path: str) -> None:

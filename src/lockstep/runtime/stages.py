@@ -199,10 +199,18 @@ class Run(RunDirectory):
         """The generator's speculative-decoding counters since the last step (none when it is off)."""
         if self.spec.rollout.speculative.drafter == "off":
             return {}
-        now = self.c.stat("generator")["speculative"]
+        gen = self.c.stat("generator")
+        now = gen["speculative"]
         last, state["spec"] = state.get("spec") or {k: 0 for k in now}, now
         d = {k: now[k] - last.get(k, 0) for k in now}
-        return {"speculative/acceptance": d["accepted"] / d["drafted"] if d["drafted"] else 0.0,
+        draft = {}
+        if "draft_version" in now:  # a learning drafter: which draft drafted, and how far behind the policy
+            draft = {"speculative/draft_version": now["draft_version"],
+                     "speculative/draft_lag": gen["version"] - now["draft_data_version"],
+                     "speculative/draft_train_steps": now["draft_train_steps"]}
+            if now["draft_train_steps"]:
+                draft["speculative/draft_loss"] = now["draft_loss"]
+        return {**draft,"speculative/acceptance": d["accepted"] / d["drafted"] if d["drafted"] else 0.0,
                 "speculative/accepted_per_verify": d["accepted"] / d["row_verifies"] if d["row_verifies"] else 0.0,
                 "speculative/drafted": d["drafted"], "speculative/accepted": d["accepted"],
                 "speculative/drafter_errors": d["drafter_errors"], "speculative/auto_off_steps": d["auto_off_steps"],

@@ -87,9 +87,10 @@ class EngineHost:
         self.skeletons = Lru(max_skeletons, "sampler skeleton")
         """One per (base model, LoRA shape), rebuilt on demand."""
         self.sessions = Lru(max_sessions, "sampling session")
-        from lockstep.engine.drafters import make_drafter
+        from lockstep.config.types import DRAFTERS
 
-        make_drafter(speculative)  # an unknown name fails at start
+        if speculative not in DRAFTERS:  # an unknown name fails at start
+            raise HostError(f"unknown drafter {speculative!r}; choose one of {', '.join(DRAFTERS)}")
         self.speculative, self.draft_tokens = speculative, draft_tokens
 
     # -- models ----------------------------------------------------------------------------------
@@ -203,13 +204,12 @@ class EngineHost:
                                        self._speculation()))
         return size
 
-    def _speculation(self):
-        """A new session's (drafter, auto width controller), or None without speculation."""
-        from lockstep.engine.drafters import make_drafter
+    def _speculation(self) -> dict | None:
+        """A new session's drafter (built at its first sample, over the session's weights) and
+        `auto` width controller, or None without speculation."""
         from lockstep.engine.speculative import AutoWidth
 
-        drafter = make_drafter(self.speculative)
-        return None if drafter is None else (drafter, AutoWidth(self.draft_tokens))
+        return None if self.speculative == "off" else {"drafter": None, "auto": AutoWidth(self.draft_tokens)}
 
     def has_session(self, session_id: str) -> bool:
         return session_id in self.sessions
@@ -222,13 +222,16 @@ class EngineHost:
             raise HostError(f"sampling session {session_id} is not open")
         base_path, lora, weights, speculation = self.sessions.use(session_id)
         trainer, sampler, _ = self._skeleton(base_path, lora)
-        if speculation is not None:
-            from lockstep.engine.sampler import Sampler
-
-            drafter, auto = speculation
-            sampler = Sampler(trainer.model, trainer.tokenizer, drafter=drafter, draft_tokens=self.draft_tokens, auto=auto)
         for name, p in trainer.params.items():
             p.data = weights[name]
+        if speculation is not None:
+            from lockstep.engine.drafters import make_drafter
+            from lockstep.engine.sampler import Sampler
+
+            if speculation["drafter"] is None:
+                speculation["drafter"] = make_drafter(self.speculative, target=trainer.model, tokenizer=trainer.tokenizer)
+            sampler = Sampler(trainer.model, trainer.tokenizer, drafter=speculation["drafter"],
+                              draft_tokens=self.draft_tokens, auto=speculation["auto"])
         p = body["sampling_params"]
         stop = p.get("stop")
         stop = (stop,) if isinstance(stop, str) else (tuple(stop) if stop is not None else None)

@@ -261,6 +261,10 @@ def _check_references(d: dict) -> None:
     if path.startswith("/") or path.startswith(".") or "\\" in path or ".." in path.split("/") or "\x00" in path:
         raise ServiceError(f"spec: model.path {path[:100]!r}: a path on the server is not accepted; use 'builtin', "
                            f"a registered base model's name, or job:<id> of one of your succeeded jobs")
+    draft = d.get("rollout", {}).get("speculative", {}).get("draft_model", "")
+    if draft:
+        raise ServiceError(f"spec: rollout.speculative.draft_model {str(draft)[:100]!r}: a path on the server is not "
+                           "accepted; leave it empty (the model drafter starts from the policy's own first layers)")
     for f, value in data_fields(d):
         if value and not DATASET_ID.fullmatch(value):
             raise ServiceError(f"spec: {f} {value[:100]!r}: expected a dataset id (ds-...) from POST /v1/datasets "
