@@ -101,24 +101,28 @@ def test_multi_turn_episodes_run_in_the_loop(tmp_path, builtin_dir):
     check_ledger(tmp_path / "run", 4, 4)
 
 
-@pytest.mark.parametrize("env", ["arithmetic", "long_addition"])
-def test_speculative_decoding_in_the_loop_keeps_logprobs_exact(tmp_path, builtin_dir, env):
-    """rollout.speculative.drafter = "suffix": the generator verifies drafts from the group's other
-    samples and earlier completions of the same prompt; on-policy, the trainer still recomputes
-    every sampled token's logprob exactly, and the acceptance goes to the metrics. Also on the
-    long-completion task (worked answers of 72 tokens)."""
-    spec = load(None, [*TINY, f"model.path='{builtin_dir}'", "rl.max_staleness=0", "rollout.speculative.drafter=suffix",
-                       "rollout.speculative.draft_tokens=3", f"env.name={env}",
-                       "rollout.speculative.auto=" + ("true" if env == "long_addition" else "false")])
+@pytest.mark.parametrize("drafter,env", [("suffix", "arithmetic"), ("suffix", "long_addition"), ("model", "long_addition")])
+def test_speculative_decoding_in_the_loop_keeps_logprobs_exact(tmp_path, builtin_dir, drafter, env):
+    """rollout.speculative.drafter = "suffix" (drafts from the group's other samples and earlier
+    completions of the same prompt) or "model" (a draft learning online, swapped in while the run
+    goes): on-policy, the trainer still recomputes every sampled token's logprob exactly, and the
+    acceptance (and the draft's version and lag) go to the metrics. Also on the long-completion
+    task (worked answers of 72 tokens)."""
+    spec = load(None, [*TINY, f"model.path='{builtin_dir}'", "rl.max_staleness=0", f"rollout.speculative.drafter={drafter}",
+                       "rollout.speculative.draft_tokens=3", f"env.name={env}", "rollout.speculative.draft_batch=8",
+                       "rollout.speculative.auto=" + ("true" if env == "long_addition" and drafter == "suffix" else "false")])
     run(spec, tmp_path / "run")
     d = tmp_path / "run"
-    assert json.loads((d / "config.json").read_text())["rollout"]["speculative"]["drafter"] == "suffix"
+    assert json.loads((d / "config.json").read_text())["rollout"]["speculative"]["drafter"] == drafter
     rl = [r for r in records(d) if "rollout/reward_mean" in r]
     assert len(rl) == 4
     assert all(r["mismatch/abs"] == 0.0 and r["mismatch/ess"] == 1.0 for r in rl)
     assert sum(r["speculative/drafted"] for r in rl) > sum(r["speculative/accepted"] for r in rl) > 0
     assert all(0.0 <= r["speculative/acceptance"] <= 1.0 and r["speculative/drafter_errors"] == 0 for r in rl)
     assert all(r["time/verify_s"] >= 0 and r["speculative/auto_off_steps"] >= 0 for r in rl)
+    if drafter == "model":  # new drafts were swapped in during the run; the lag is in policy versions
+        assert rl[-1]["speculative/draft_version"] >= 1 and rl[-1]["speculative/draft_train_steps"] >= 2
+        assert all(isinstance(r["speculative/draft_lag"], int) and r["speculative/draft_lag"] >= 0 for r in rl)
     check_ledger(d, 4, 4)
 
 

@@ -199,6 +199,35 @@ def test_sampled_logprobs_equal_compute_logprobs_bit_for_bit(server):
             assert seq.stop_reason == ("stop" if five in whole.tokens else whole.stop_reason)
 
 
+def test_a_speculative_server_samples_exactly_as_a_plain_one(server, tmp_path, warm_dir):
+    """`lockstep serve --speculative model`: through the official SDK, a LoRA trainer's sampler and
+    the base model's return the plain server's samples for the same seeds (greedy and at
+    temperature 1, many calls, so that the session's draft learns and is swapped in between
+    them), and every sampled logprob equals compute_logprobs' bit for bit."""
+    fast = make_server(tmp_path, [f"warm={warm_dir}"])
+    fast.keys = {"alice": fast.key("alice")}
+    fast.start("--speculative", "model", "--draft-tokens", "3")
+    try:
+        prompt = None
+        for srv in (server, fast):
+            tc = client(srv).create_lora_training_client(base_model="warm", rank=8, seed=1).result()
+            tok = tc.get_tokenizer()
+            prompt = prompt or [tok.encode(f"{i * 97 % 900 + 100}+{i * 31 % 900 + 100}=") for i in range(6)]
+            srv.got = []
+            for sampler in (tc.save_weights_and_get_sampling_client(), client(srv).create_sampling_client(base_model="warm")):
+                for i, p in enumerate(prompt * 3):
+                    res = sampler.sample(prompt=types.ModelInput.from_ints(p), num_samples=4, sampling_params=types.SamplingParams(
+                        max_tokens=8, temperature=0.0 if i % 2 else 1.0, seed=i)).result()
+                    srv.got.append([(list(q.tokens), list(q.logprobs)) for q in res.sequences])
+                    if srv is fast and i < 6:
+                        for q in res.sequences:
+                            scored = sampler.compute_logprobs(types.ModelInput.from_ints(p + list(q.tokens))).result()
+                            assert scored[-len(q.tokens):] == list(q.logprobs)
+        assert fast.got == server.got
+    finally:
+        fast.stop()
+
+
 def test_save_and_load_state_round_trip_is_exact(server):
     sc = client(server)
     tc = sc.create_lora_training_client(base_model="lockstep/tiny", rank=4, seed=2).result()

@@ -269,15 +269,16 @@ def test_save_state_then_load_through_the_engine_host_is_exact_fifty_times(tmp_p
             assert all(np.array_equal(w[k], cw[k]) for k in w), i
 
 
-def test_speculative_sampling_sessions_answer_exactly_as_plain_ones(tmp_path, builtin_dir):
-    """`lockstep serve --speculative suffix`: every sampling session drafts from its own history only
-    (never another session's, which may be another tenant's), and its responses are byte for byte
-    those of a worker without speculation (same weights, seeds and requests)."""
-    from lockstep.engine.types import EngineError
-    from lockstep.service.host import EngineHost
+@pytest.mark.parametrize("drafter", ["suffix", "model"])
+def test_speculative_sampling_sessions_answer_exactly_as_plain_ones(tmp_path, builtin_dir, drafter):
+    """`lockstep serve --speculative suffix|model`: every sampling session drafts from its own
+    history only (never another session's, which may be another tenant's: each has its own drafter,
+    a model drafter its own draft learning from that session's samples), and its responses are
+    byte for byte those of a worker without speculation (same weights, seeds and requests)."""
+    from lockstep.service.host import EngineHost, HostError
 
     hosts = {mode: EngineHost(str(tmp_path / mode / "storage"), str(tmp_path / mode / "cache"), 1, speculative=mode,
-                              draft_tokens=4) for mode in ("off", "suffix")}
+                              draft_tokens=4) for mode in ("off", drafter)}
     for host in hosts.values():
         host.create_model("m", builtin_dir, {"rank": 4, "seed": 1})
         for s in ("s1", "s2"):
@@ -288,10 +289,10 @@ def test_speculative_sampling_sessions_answer_exactly_as_plain_ones(tmp_path, bu
                                          "num_samples": 4, "sampling_params": {"max_tokens": 24, "seed": i,
                                                                                "temperature": 0.0 if i % 2 else 1.0}})
                          for i in range(4) for s in ("s1", "s2")]
-    assert replies["suffix"] == replies["off"]
-    spec = hosts["suffix"]
-    (d1, a1), (d2, a2) = spec.sessions["s1"][3], spec.sessions["s2"][3]
-    assert d1 is not d2 and a1 is not a2 and a1.observed > 0
+    assert replies[drafter] == replies["off"]
+    spec = hosts[drafter]
+    s1, s2 = spec.sessions["s1"][3], spec.sessions["s2"][3]
+    assert s1["drafter"] is not s2["drafter"] and s1["auto"] is not s2["auto"] and s1["auto"].observed > 0
     assert hosts["off"].sessions["s1"][3] is None
-    with pytest.raises(EngineError, match="unknown drafter"):
+    with pytest.raises(HostError, match="unknown drafter"):
         EngineHost(str(tmp_path / "x"), str(tmp_path / "y"), 1, speculative="tree")

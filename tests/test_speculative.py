@@ -3,6 +3,7 @@ never change what is sampled, nor a logprob; the cache after a rejection is as i
 tokens had never been fed; a failing drafter only costs speed."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -173,6 +174,39 @@ def test_a_failing_drafter_degrades_to_plain_decoding(where, model_tok):
     fast = Sampler(model, tok, drafter=_Broken(where))
     assert [r.sequences for r in fast.sample(reqs)] == [r.sequences for r in Sampler(model, tok).sample(reqs)]
     assert fast.spec_stats.drafter_errors == 1 and fast.spec_stats.plain_fallbacks == 1
+
+
+class _Hangs(_FixedDraft):
+    """Hangs (far past the sampler's timeout) on its `at`-th proposal, then answers again."""
+
+    def __init__(self, at):
+        super().__init__(7)
+        self.at, self.calls = at, 0
+
+    def propose(self, row, k):
+        self.calls += 1
+        if self.calls == self.at:
+            time.sleep(3)
+        return super().propose(row, k)
+
+
+def test_a_hung_drafter_is_abandoned_and_restarted(model_tok):
+    """A drafter call past `draft_timeout` is given up: the call decodes on plainly (the same
+    outputs), the timeout is counted, and the next call drafts again with a fresh worker."""
+    model, tok = model_tok
+    reqs = _requests(tok, n_prompts=2, samples=2, max_tokens=12, stop=())
+    want = [r.sequences for r in Sampler(model, tok).sample(reqs)]
+    fast = Sampler(model, tok, drafter=_Hangs(at=9), draft_tokens=2, draft_timeout=0.5)
+    started = time.perf_counter()
+    assert [r.sequences for r in fast.sample(reqs)] == want
+    assert time.perf_counter() - started < 2.5  # not waited out
+    st = fast.spec_stats
+    assert st.drafter_timeouts == st.drafter_errors == 1 and st.plain_fallbacks == 1
+    drafted = st.drafted
+    assert [r.sequences for r in fast.sample(reqs)] == want
+    assert st.drafted > drafted and st.drafter_timeouts == 1  # restarted: it drafts again
+    with pytest.raises(EngineError, match="draft_timeout must be a positive number"):
+        Sampler(model, tok, drafter=_FixedDraft(7), draft_timeout=0)
 
 
 def test_hot_swap_with_speculation_keeps_every_logprob_exact(qwen2_dir):

@@ -123,11 +123,13 @@ class Sampler:
     """Samples from an `InvariantLM`; reported logprobs equal the trainer's bit for bit."""
 
     def __init__(self, model: InvariantLM, tokenizer, *, policy_version: int = 0, drafter=None, draft_tokens: int = 4,
-                 auto: "bool | spec.AutoWidth" = False):
+                 auto: "bool | spec.AutoWidth" = False, draft_timeout: float | None = None):
         """drafter: None (plain decoding) or a drafter (engine/drafters.py) whose proposals, up to
         `draft_tokens` per row and step, are verified in the decode step's forward. auto: choose the
         width each step from measured cost and acceptance (speculative.AutoWidth), down to none;
-        an AutoWidth carries on with its measurements (one request stream over several samplers)."""
+        an AutoWidth carries on with its measurements (one request stream over several samplers).
+        draft_timeout: seconds a drafter call may take before the call decodes on without it (its
+        calls then run in a worker thread, ~50 us a step); None: calls run inline, unbounded."""
         if drafter is not None and not (isinstance(draft_tokens, int) and draft_tokens >= 1):
             raise EngineError(f"draft_tokens must be an integer >= 1, got {draft_tokens!r}")
         self.model = model
@@ -138,6 +140,7 @@ class Sampler:
         self.drafter = drafter
         self.draft_tokens = draft_tokens
         self.spec_stats = spec.SpecStats()
+        self.draft_guard = spec.DraftGuard(draft_timeout)
         if isinstance(auto, spec.AutoWidth):
             self.auto = auto if drafter is not None else None
         else:
@@ -228,15 +231,15 @@ class Sampler:
 
     def _decode(self, requests, owner, rows: _Rows, logits, between_steps) -> _Out:
         tape = _Tape(self, requests, owner)
-        session = self._draft_session(requests, owner, rows.cache.capacity)
+        link = self._draft_link(requests, owner, rows.cache.capacity)
         alive = torch.ones(len(owner), dtype=torch.bool)
         while True:
             # Every live row draws its next token from `logits` at its own token index.
             tokens, lps = choose(logits, rows.params, tape.n_out[rows.ids])
             ids = rows.ids[alive]
             ended = tape.record(ids, tokens[alive], lps[alive], self.policy_version)
-            if session is not None:
-                session = self._feed_drafter(session, ids.tolist(), tokens[alive].unsqueeze(1).tolist())
+            if link is not None:
+                link.feed(ids.tolist(), tokens[alive].unsqueeze(1).tolist())
             alive[alive.clone()] = ~ended
             if not bool(alive.any()):
                 break
@@ -250,71 +253,65 @@ class Sampler:
             width = self.draft_tokens if self.auto is None else self.auto.width(len(alive), int(alive.sum()))
             self.spec_stats.auto_off_steps += self.auto is not None and width == 0
             started = time.perf_counter()
-            if session is not None and width > 0:
-                drafts, lengths, session = self._drafts(session, rows, alive, tape, width)
+            if link is not None and width > 0:
+                drafts, lengths, link = self._drafts(link, rows, alive, tape, width)
             if drafts is None:  # plain decoding: feed the token, get the next logits
                 hidden = self.model.hidden_states(tokens.unsqueeze(1), rows.positions.unsqueeze(1), rows.cache)
                 rows.positions = rows.positions + alive.long()  # finished rows stay put (bounded cache)
                 logits = self.model.logits(hidden[:, 0])
             else:
-                logits = self._verify(rows, alive, tokens, drafts, lengths, tape, session)
+                logits = self._verify(rows, alive, tokens, drafts, lengths, tape, link)
             if self.auto is not None:  # the whole step: drafting, the forward and the acceptance
                 fed = len(alive) * (1 if drafts is None else 1 + drafts.shape[1])
                 self.auto.observe_forward(fed, time.perf_counter() - started)
-        if session is not None:
+        if link is not None:
             try:
-                session.finish()
-            except Exception:  # noqa: BLE001 - only the drafter's memory of this call is lost
-                self._drafter_failed()
-        if self.drafter is not None and session is None:
+                link.finish()
+            except Exception as e:  # noqa: BLE001 - only the drafter's memory of this call is lost
+                self._drafter_failed(e)
+        if self.drafter is not None and link is None:
             self.spec_stats.plain_fallbacks += 1
         return tape.outputs()
 
     # -- speculation -------------------------------------------------------------------------
-    def _draft_session(self, requests, owner, capacity: int):
+    def _draft_link(self, requests, owner, capacity: int) -> "spec.DraftLink | None":
         if self.drafter is None:
             return None
+        prompts = [requests[i].prompt for i in owner]
         try:
-            return self.drafter.session([requests[i].prompt for i in owner], capacity=capacity,
-                                        policy_version=self.policy_version)
-        except Exception:  # noqa: BLE001 - a drafter never fails a rollout: decode plainly
-            self._drafter_failed()
+            session = self.draft_guard.call(lambda: self.drafter.session(prompts, capacity=capacity,
+                                                                         policy_version=self.policy_version))
+            return spec.DraftLink(session, self.draft_guard)
+        except Exception as e:  # noqa: BLE001 - a drafter never fails a rollout: decode plainly
+            self._drafter_failed(e)
             return None
 
-    def _feed_drafter(self, session, rows: list[int], runs: list[list[int]]):
-        """session.append(row, run) for each row's newly emitted tokens; None (plain decoding from
-        here on) if the drafter fails."""
-        try:
-            for row, run in zip(rows, runs):
-                session.append(row, run)
-            return session
-        except Exception:  # noqa: BLE001 - a drafter never fails a rollout
-            self._drafter_failed()
-            return None
+    def _drafter_failed(self, error: Exception) -> None:
+        st = self.spec_stats
+        st.drafter_errors += 1
+        st.drafter_timeouts += isinstance(error, spec.DrafterTimeout)
+        log.warning("the drafter failed (%d so far); this call decodes without speculation: %s", st.drafter_errors,
+                    error, exc_info=not isinstance(error, spec.DrafterTimeout))
 
-    def _drafter_failed(self) -> None:
-        self.spec_stats.drafter_errors += 1
-        log.warning("the drafter failed (%d so far); this call decodes without speculation", self.spec_stats.drafter_errors,
-                    exc_info=True)
-
-    def _drafts(self, session, rows: _Rows, alive, tape: _Tape, width: int):
-        """(drafts (R, k), lengths (R,), session): each live row's proposal, up to `width` tokens and
-        what it may still emit; drafts None when no row has any (then this step is a plain one)."""
+    def _drafts(self, link: "spec.DraftLink", rows: _Rows, alive, tape: _Tape, width: int):
+        """(drafts (R, k), lengths (R,), link): each live row's proposal, up to `width` tokens and
+        what it may still emit; drafts None when no row has any (then this step is a plain one),
+        link None when the drafter failed (plain decoding for the rest of the call)."""
         started = time.perf_counter()
         ids = rows.ids.tolist()
         budgets = (tape.max_new[rows.ids] - tape.n_out[rows.ids]).clamp(min=0) * alive
         try:
-            drafts, lengths = spec.draft_block(session, ids, budgets.tolist(), width, pad=0)
-        except Exception:  # noqa: BLE001
-            self._drafter_failed()
+            drafts, lengths = link.draft(ids, budgets.tolist(), width)
+        except Exception as e:  # noqa: BLE001
+            self._drafter_failed(e)
             return None, None, None
         self.spec_stats.draft_seconds += time.perf_counter() - started
         width = int(lengths.max()) if lengths.numel() else 0
         if width == 0:
-            return None, None, session
-        return drafts[:, :width], lengths, session
+            return None, None, link
+        return drafts[:, :width], lengths, link
 
-    def _verify(self, rows: _Rows, alive, tokens, drafts, lengths, tape: _Tape, session) -> torch.Tensor:
+    def _verify(self, rows: _Rows, alive, tokens, drafts, lengths, tape: _Tape, link) -> torch.Tensor:
         """Feed each row's token and its drafts in one forward; emit the drafts that the row's own
         samples confirm (engine/speculative.py); return the logits for each row's next token."""
         started = time.perf_counter()
@@ -331,13 +328,12 @@ class Sampler:
         agree = (samples == drafts) & (torch.arange(k) < lengths.unsqueeze(1)) & alive.unsqueeze(1)
         run = agree.long().cumprod(dim=1).sum(dim=1)  # each row's run of confirmed drafts
         if tape.any_str:  # stop strings need the decoded text after each token
-            accepted = self._emit_by_column(rows, alive, drafts, lps, run, tape, session)
+            accepted = self._emit_by_column(rows, alive, drafts, lps, run, tape, link)
         else:
             accepted, ended = tape.record_runs(rows.ids, drafts, lps, run, self.policy_version)
             alive[ended] = False
-            if session is not None:
-                took = (accepted > 0).nonzero().squeeze(1).tolist()
-                self._feed_drafter(session, rows.ids[took].tolist(), [drafts[r, : int(accepted[r])].tolist() for r in took])
+            took = (accepted > 0).nonzero().squeeze(1).tolist()
+            link.feed(rows.ids[took].tolist(), [drafts[r, : int(accepted[r])].tolist() for r in took])
         fed_until = rows.positions + (k + 1) * was_alive.long()
         rows.positions = rows.positions + (1 + accepted) * was_alive.long()
         spec.rollback(rows.cache, rows.positions, fed_until)  # the rejected tokens' slots
@@ -351,7 +347,7 @@ class Sampler:
         st.verify_seconds += time.perf_counter() - started
         return all_logits[torch.arange(R), accepted]
 
-    def _emit_by_column(self, rows: _Rows, alive, drafts, lps, run, tape: _Tape, session) -> torch.Tensor:
+    def _emit_by_column(self, rows: _Rows, alive, drafts, lps, run, tape: _Tape, link) -> torch.Tensor:
         """Emit each row's confirmed drafts one column at a time (a stop string ends a run)."""
         accepted = torch.zeros_like(run)
         for i in range(int(run.max()) if run.numel() else 0):
@@ -359,8 +355,7 @@ class Sampler:
             if at.numel() == 0:
                 break
             ended = tape.record(rows.ids[at], drafts[at, i], lps[at, i], self.policy_version)
-            if session is not None:
-                self._feed_drafter(session, rows.ids[at].tolist(), drafts[at, i].unsqueeze(1).tolist())
+            link.feed(rows.ids[at].tolist(), drafts[at, i].unsqueeze(1).tolist())
             accepted[at] += 1
             alive[at[ended]] = False
         return accepted

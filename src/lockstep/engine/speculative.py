@@ -17,9 +17,12 @@ looks past a query's own position, so they were invisible anyway).
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 
 import torch
+
+from lockstep.engine.types import EngineError
 
 
 @dataclass
@@ -37,6 +40,8 @@ class SpecStats:
     """sample() calls that finished without speculation because the drafter failed."""
     auto_off_steps: int = 0
     """Decode steps that `auto` ran without drafts (speculation did not pay)."""
+    drafter_timeouts: int = 0
+    """Drafter calls abandoned past the sampler's draft timeout (also counted in drafter_errors)."""
 
     @property
     def acceptance(self) -> float:
@@ -141,3 +146,71 @@ class AutoWidth:
     def observe_drafts(self, accepted: int, live_rows: int) -> None:
         d = self.decay
         self._gain = [self._gain[0] * d + accepted, self._gain[1] * d + live_rows]
+
+
+class DrafterTimeout(EngineError):
+    pass
+
+
+class DraftGuard:
+    """Runs drafter calls with a deadline: in a worker thread that the sampler waits on for at most
+    `timeout_s`. A call past it raises DrafterTimeout and its thread is abandoned (Python cannot
+    stop a thread; a hung drafter keeps at most that one daemon thread); the next call gets a fresh
+    worker, so the drafter is restarted rather than waited on. timeout_s None: calls run inline."""
+
+    def __init__(self, timeout_s: float | None):
+        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise EngineError(f"draft_timeout must be a positive number of seconds or None, got {timeout_s!r}")
+        self.timeout_s = timeout_s
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def call(self, fn):
+        if self.timeout_s is None:
+            return fn()
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drafter")
+        future = self._worker.submit(_in_inference_mode, fn)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker = None
+            raise DrafterTimeout(f"the drafter did not answer within {self.timeout_s} s") from None
+
+
+def _in_inference_mode(fn):
+    with torch.inference_mode():  # as the sampler's own thread: the drafter's tensors are alike
+        return fn()
+
+
+class DraftLink:
+    """One sample() call's tie to its drafter session. Emitted tokens are queued here and handed to
+    the session together with the next draft request, so that each decode step makes one guarded
+    call, not two."""
+
+    def __init__(self, session, guard: DraftGuard):
+        self.session, self.guard = session, guard
+        self._pending: list[tuple[list[int], list[list[int]]]] = []
+
+    def feed(self, rows: list[int], runs: list[list[int]]) -> None:
+        self._pending.append((rows, runs))
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for rows, runs in pending:
+            for row, run in zip(rows, runs):
+                self.session.append(row, run)
+
+    def draft(self, rows: list[int], budgets: list[int], k: int, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        def go():
+            self._flush()
+            return draft_block(self.session, rows, budgets, k, pad)
+
+        return self.guard.call(go)
+
+    def finish(self) -> None:
+        def go():
+            self._flush()
+            self.session.finish()
+
+        self.guard.call(go)

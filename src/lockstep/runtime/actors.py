@@ -149,8 +149,7 @@ class GeneratorActor:
         drafter = make_drafter(speculative.drafter, target=trainer.model, tokenizer=trainer.tokenizer,
                                **speculative.drafter_options()) if speculative else None
         self.sampler = Sampler(trainer.model, trainer.tokenizer, drafter=drafter,
-                               draft_tokens=speculative.draft_tokens if speculative else 4,
-                               auto=bool(speculative and speculative.auto))
+                               **(speculative.sampler_options() if speculative else {}))
         self._pending: tuple | None = None
         self._lock = threading.Lock()
         self.busy_s = 0.0

@@ -69,7 +69,7 @@ class Lru(OrderedDict):
 class EngineHost:
     def __init__(self, storage_url: str, cache_dir: str, threads: int, *, max_models: int = 16,
                  max_sessions: int = 32, max_skeletons: int = 4, fetch_cache_bytes: int = 4 << 30,
-                 speculative: str = "off", draft_tokens: int = 4):
+                 speculative: str = "off", draft_tokens: int = 4, draft_timeout: float | None = 10.0):
         """speculative: a drafter name (engine/drafters.py) for every sampling session, "off" for
         none. Each session gets its own drafter and `auto` width controller: its history of
         completions never drafts for another session (another tenant), and it speculates only where
@@ -91,7 +91,7 @@ class EngineHost:
 
         if speculative not in DRAFTERS:  # an unknown name fails at start
             raise HostError(f"unknown drafter {speculative!r}; choose one of {', '.join(DRAFTERS)}")
-        self.speculative, self.draft_tokens = speculative, draft_tokens
+        self.speculative, self.draft_tokens, self.draft_timeout = speculative, draft_tokens, draft_timeout
 
     # -- models ----------------------------------------------------------------------------------
     def has_model(self, model_id: str) -> bool:
@@ -231,7 +231,7 @@ class EngineHost:
             if speculation["drafter"] is None:
                 speculation["drafter"] = make_drafter(self.speculative, target=trainer.model, tokenizer=trainer.tokenizer)
             sampler = Sampler(trainer.model, trainer.tokenizer, drafter=speculation["drafter"],
-                              draft_tokens=self.draft_tokens, auto=speculation["auto"])
+                              draft_tokens=self.draft_tokens, auto=speculation["auto"], draft_timeout=self.draft_timeout)
         p = body["sampling_params"]
         stop = p.get("stop")
         stop = (stop,) if isinstance(stop, str) else (tuple(stop) if stop is not None else None)

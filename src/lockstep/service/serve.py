@@ -161,7 +161,7 @@ WORKER_OPTIONS = (  # (flag, WorkerConfig field, type, help): shared by `lockste
     ("--session-ttl", "session_ttl_s", float, "seconds after a session's last heartbeat its sampler snapshots "
                                               "are deleted"),
     ("--speculative", "speculative", lambda v: _choice(v, DRAFTERS),
-     "speculative decoding in sampling sessions: off or suffix (samples and logprobs never change)"),
+     "speculative decoding in sampling sessions: off, suffix or model (samples and logprobs never change)"),
     ("--draft-tokens", "draft_tokens", lambda v: _at_least(v, 1, 64), "tokens drafted per row and step, at most"),
 )
 

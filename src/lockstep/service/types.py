@@ -164,10 +164,13 @@ class WorkerConfig:
     janitor_every_s: float = 30.0
     """How often expired checkpoints and abandoned sessions' sampler snapshots are deleted."""
     speculative: str = "off"
-    """Speculative decoding in sampling sessions: a drafter name ("suffix") or "off"; each session
+    """Speculative decoding in sampling sessions: a drafter name ("suffix", "model") or "off"; each session
     gets its own drafter and decides per step whether speculating pays (outputs never change)."""
     draft_tokens: int = 4
     """Tokens drafted per row and decode step, at most."""
+    draft_timeout_s: float = 10.0
+    """A drafter call past this is abandoned (that request decodes on plainly; the next starts the
+    drafter afresh)."""
     session_ttl_s: float = 86400.0
     """A session's ephemeral sampler snapshots are deleted this long after its last heartbeat (or
     once it is finished)."""
