@@ -194,6 +194,20 @@ def test_the_trainer_thread_ends_when_idle_and_comes_back_with_data(model_tok):
         drafter.close()
 
 
+def test_a_frozen_draft_keeps_its_last_weights_and_learns_no_more(model_tok):
+    model, tok = model_tok
+    drafter = _drafter(model, tok, batch=2)
+    sample = (list(range(5, 20)), 5)
+    drafter.trainer.observe([sample, sample], policy_version=1)
+    drafter.freeze()  # waits for that step, takes its weights
+    assert not drafter.learning and drafter.version == 1 and drafter.data_version == 1
+    s = drafter.session([sample[0][:5]], capacity=32)
+    s.append(0, sample[0][5:8])
+    assert len(s.draft([0], [3], 3)[0]) == 3
+    s.finish()  # not handed to the trainer any more
+    assert drafter.trainer._new == [] and drafter.stats()["draft_train_steps"] == 2
+
+
 def test_a_draft_with_another_vocabulary_or_tokenizer_is_refused(model_tok, tmp_path):
     model, tok = model_tok
     cfg = tiny_config(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128)

@@ -123,6 +123,7 @@ def test_speculative_decoding_in_the_loop_keeps_logprobs_exact(tmp_path, builtin
     if drafter == "model":  # new drafts were swapped in during the run; the lag is in policy versions
         assert rl[-1]["speculative/draft_version"] >= 1 and rl[-1]["speculative/draft_train_steps"] >= 2
         assert all(isinstance(r["speculative/draft_lag"], int) and r["speculative/draft_lag"] >= 0 for r in rl)
+    assert 'alt="speculative decoding: acceptance and draft lag"' in (d / "report.html").read_text()
     check_ledger(d, 4, 4)
 
 

@@ -216,6 +216,7 @@ class ModelDrafter:
         self.data_version = -1
         """The newest policy version the draft in use had learned from (-1: none)."""
         self.trainer = DraftTrainer(_trainable_copy(hf), lr=lr, batch=batch, updates=updates, buffer=buffer) if train else None
+        self.learning = train
 
     def session(self, prompts: Sequence[Sequence[int]], *, capacity: int, policy_version: int = 0) -> "ModelSession":
         self.refresh()
@@ -232,6 +233,14 @@ class ModelDrafter:
         self.version, self.data_version = pub.version, pub.data_version
         return True
 
+    def freeze(self) -> None:
+        """Stop learning: wait for the trainer's pending step, swap in its last weights, end it."""
+        if self.learning:
+            self.trainer.wait_idle()
+            self.refresh()
+            self.trainer.close()
+            self.learning = False
+
     def stats(self) -> dict:
         t = self.trainer
         return {"draft_version": self.version, "draft_data_version": self.data_version,
@@ -239,6 +248,7 @@ class ModelDrafter:
                 "draft_loss": t.last_loss if t else float("nan")}
 
     def close(self) -> None:
+        self.learning = False
         if self.trainer:
             self.trainer.close()
 
@@ -338,5 +348,5 @@ class ModelSession:
 
     def finish(self) -> None:
         """Hand every row's sample to the trainer."""
-        if self.drafter.trainer is not None:
+        if self.drafter.learning:
             self.drafter.trainer.observe(list(zip(self.seqs, self.prompt_lens)), self.policy_version)
