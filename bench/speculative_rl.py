@@ -58,10 +58,13 @@ def main() -> None:
             r = lockstep_rl(model, run_dir, a.target, a.max_seconds, ["env.name=long_addition", *SIDES[side]])
             rows.append({"side": side, "repeat": rep, **r, **(acceptance(run_dir) if side != "off" else {})})
             print(rows[-1], flush=True)
-    med = {s: median([r["seconds_to_target"] or float("inf") for r in rows if r["side"] == s])
-           for s in a.sides.split(",")}
-    emit("speculative_rl", rows, {"target": a.target, "model": str(model), "median_seconds_to_target": med,
-                                  "speedup_vs_off": {s: med["off"] / med[s] for s in med if s != "off"}})
+    sides = a.sides.split(",")
+    med = {s: median([r["seconds_to_target"] or float("inf") for r in rows if r["side"] == s]) for s in sides}
+    step = {s: median([r["step_s_median"] for r in rows if r["side"] == s]) for s in sides}
+    reached = {s: v for s, v in med.items() if v != float("inf")}  # (JSON has no infinity)
+    emit("speculative_rl", rows, {"target": a.target, "model": str(model), "median_seconds_to_target": reached,
+                                  "speedup_vs_off": {s: med["off"] / v for s, v in reached.items() if s != "off" and "off" in reached},
+                                  "step_time_ratio_vs_off": {s: step["off"] / step[s] for s in sides if s != "off" and "off" in step}})
 
 
 if __name__ == "__main__":

@@ -65,6 +65,20 @@ def test_outputs_and_logprobs_equal_plain_decoding(case, model_tok):
         drafter.close()
 
 
+@pytest.mark.parametrize("arch", ["llama_dir", "moe_dir"])
+def test_other_architectures_get_an_early_exit_draft(arch, request):
+    """Llama, and a Qwen3 mixture of experts (layer 0 dense, layer 1 routed): the draft is the
+    target's own first layers, and outputs stay plain decoding's."""
+    hf, tok = load_model(request.getfixturevalue(arch))
+    model = InvariantLM(hf)
+    drafter = _drafter(model, tok, layers=2, train=False)
+    assert type(drafter.model.causal) is type(hf) and drafter.model.config.num_hidden_layers == 2
+    reqs = _requests(tok, n_prompts=3, samples=2, max_tokens=12, temperature=0.0, stop=())
+    fast = Sampler(model, tok, drafter=drafter, draft_tokens=3)
+    assert [r.sequences for r in fast.sample(reqs)] == [r.sequences for r in Sampler(model, tok).sample(reqs)]
+    assert fast.spec_stats.accepted > 0 and fast.spec_stats.drafter_errors == 0
+
+
 def _greedy_draft(draft: InvariantLM, seq: list[int], k: int) -> list[int]:
     """k greedy tokens of the draft after seq, by full forwards without a cache."""
     seq, out = list(seq), []

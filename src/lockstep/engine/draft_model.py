@@ -42,9 +42,8 @@ def _draft_config(target: InvariantLM, layers: int):
     if layers > cfg.num_hidden_layers:
         raise EngineError(f"model drafter: layers must be at most the target's {cfg.num_hidden_layers}, got {layers}")
     cfg.num_hidden_layers = layers
-    for key in ("layer_types", "mlp_only_layers"):  # per-layer lists some configs carry
-        if isinstance(getattr(cfg, key, None), list):
-            setattr(cfg, key, getattr(cfg, key)[:layers])
+    if isinstance(getattr(cfg, "layer_types", None), list):  # one entry per layer in some configs
+        cfg.layer_types = cfg.layer_types[:layers]
     return cfg
 
 
@@ -317,23 +316,20 @@ class ModelSession:
 
     def _run(self, cache_rows: list[int], k: int) -> dict[int, list[int]]:
         """Feed every held row's unfed tokens, then k - 1 drafts; each row's k greedy tokens."""
-        model, cap = self.drafter.model, self.capacity - 1
+        model, cap, R = self.drafter.model, self.capacity - 1, len(cache_rows)
         pending = [self.seqs[r][self.fed[r] :] for r in cache_rows]
-        T = max(1, max(len(p) for p in pending))
-        tokens = torch.zeros(len(cache_rows), T, dtype=torch.long)
-        positions = torch.empty(len(cache_rows), T, dtype=torch.long)
-        last = torch.zeros(len(cache_rows), dtype=torch.long)
-        for i, (r, p) in enumerate(zip(cache_rows, pending)):
-            if p:
-                tokens[i, : len(p)] = torch.tensor(p)
-            # padding goes past the row's tokens: those slots are rewritten before anything attends to them
-            positions[i] = (self.fed[r] + torch.arange(T)).clamp(max=cap)
-            last[i] = max(len(p) - 1, 0)
+        lens = torch.tensor([len(p) for p in pending])
+        T = max(1, int(lens.max()))
+        tokens = torch.zeros(R, T, dtype=torch.long)
+        tokens[torch.arange(T) < lens.unsqueeze(1)] = torch.tensor([t for p in pending for t in p], dtype=torch.long)
+        # padding goes past each row's tokens: those slots are rewritten before anything attends to them
+        positions = (torch.tensor([self.fed[r] for r in cache_rows]).unsqueeze(1) + torch.arange(T)).clamp(max=cap)
+        last = (lens - 1).clamp(min=0)
         with torch.no_grad():
             hidden = model.hidden_states(tokens, positions, self.cache)
-            nxt = model.logits(hidden[torch.arange(len(cache_rows)), last]).argmax(-1)
+            nxt = model.logits(hidden[torch.arange(R), last]).argmax(-1)
             out = [nxt]
-            pos = positions[torch.arange(len(cache_rows)), last]
+            pos = positions[torch.arange(R), last]
             for _ in range(k - 1):
                 pos = (pos + 1).clamp(max=cap)
                 nxt = model.logits(model.hidden_states(nxt.unsqueeze(1), pos.unsqueeze(1), self.cache)[:, 0]).argmax(-1)
