@@ -104,6 +104,18 @@ def _exit_with_supervisor() -> None:
     threading.Thread(target=watch, daemon=True, name="supervisor-watchdog").start()
 
 
+def _serve_metrics(run_dir: Path, port: int) -> None:
+    from lockstep.config import ConfigError
+    from lockstep.monitor.prometheus import serve_run_metrics
+
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"--metrics-port {port}: expected a TCP port in [1, 65535]")
+    try:
+        serve_run_metrics(run_dir, port)
+    except OSError as e:
+        raise ConfigError(f"--metrics-port {port}: cannot listen there ({e.strerror or e}); pick another port") from None
+
+
 def _cmd_run(args) -> int:
     import time
 
@@ -127,6 +139,9 @@ def _cmd_run(args) -> int:
 
     run_dir = args.resume or args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
     console.print(f"[bold]lockstep run[/bold] -> {run_dir}" + (" (resuming)" if args.resume else ""))
+    if args.metrics_port is not None:
+        _serve_metrics(Path(run_dir), args.metrics_port)
+        console.print(f"Prometheus metrics: http://127.0.0.1:{args.metrics_port}/metrics")
     total = sum(s.steps for s in spec.stages)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
                   TimeElapsedColumn(), console=console, transient=False) as bar:
@@ -396,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ray-address", help="join an existing Ray cluster instead of starting one")
     run.add_argument("--dry-run", action="store_true", help="print the resolved config and plan, then exit")
     run.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint")
+    run.add_argument("--metrics-port", type=int, metavar="PORT",
+                     help="serve the run's step metrics for Prometheus at http://127.0.0.1:PORT/metrics")
     run.set_defaults(func=_cmd_run)
     check = sub.add_parser("check", help="self-checks")
     check_sub = check.add_subparsers(dest="check", required=True)

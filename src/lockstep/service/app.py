@@ -15,18 +15,19 @@ import re
 import uuid
 from urllib.parse import unquote_to_bytes
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from lockstep.service import doorbell
 from lockstep.service.db import connect
 from lockstep.service.deps import ServiceConfig, db, error_body, tenant_of, validation_message
+from lockstep.service.prometheus import HttpMetrics, Metrics
 from lockstep.service.storage import Storage
-from lockstep.service.types import ServiceError
+from lockstep.service.types import NotFound, ServiceError, Unauthorized
 
-from lockstep.service import jobs_api, tinker_api, tinker_rest
+from lockstep.service import datasets, jobs_api, tinker_api, tinker_rest
 
 __all__ = ["ServiceConfig", "create_app"]
 log = logging.getLogger("lockstep.service")
@@ -133,9 +134,26 @@ def create_app(config: ServiceConfig) -> FastAPI:
         log.exception("internal error %s", incident)
         return JSONResponse(error_body(f"internal error (incident {incident})", "server"), status_code=500)
 
-    app.include_router(tinker_api.router, prefix="/api/v1")
-    app.include_router(tinker_rest.router, prefix="/api/v1")
-    app.include_router(jobs_api.router, prefix="/v1")
+    app.state.metrics = Metrics(sessions, config.operator_token)
+
+    @app.get("/metrics", include_in_schema=False)
+    def prometheus_metrics(request: Request):
+        """The service in Prometheus' text format, for the operator's bearer token only."""
+        metrics = request.app.state.metrics
+        if not metrics.operator_token:
+            raise NotFound("metrics are off: start the server with LOCKSTEP_OPERATOR_TOKEN set, and scrape with "
+                           "that token as a bearer token")
+        if not metrics.allowed(request.headers.get("authorization")):
+            raise Unauthorized("GET /metrics needs the operator's token: Authorization: Bearer <token>")
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    for router, prefix in ((tinker_api.router, "/api/v1"), (tinker_rest.router, "/api/v1"), (jobs_api.router, "/v1")):
+        app.include_router(router, prefix=prefix)
+    for router, prefix in ((tinker_api.router, "/api/v1"), (tinker_api.training, "/api/v1"), (tinker_rest.router, "/api/v1"),
+                           (jobs_api.router, "/v1"), (datasets.router, "/v1")):  # (and the routers they include)
+        app.state.metrics.name_routes(router, prefix)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(PrintableTarget)
+    app.add_middleware(HttpMetrics, metrics=app.state.metrics)  # outermost: it counts every answer
     return app

@@ -40,6 +40,9 @@ class ServiceConfig:
     """num_samples x max_tokens of one sampling request."""
     policy: object = None
     """The operator's job policy (service/policy.py's Policy); None: its safe defaults."""
+    operator_token: str | None = None
+    """The operator's bearer token (LOCKSTEP_OPERATOR_TOKEN for `lockstep serve`): GET /metrics
+    answers only it; None: /metrics is off."""
 
 
 def db(request: Request):

@@ -118,7 +118,7 @@ def run_api(*, host: str, port: int, db: str, storage: str, max_body_mb: int, wo
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(ServiceConfig(db_url=db, storage_url=storage, max_body_bytes=max_body_mb * 1024 * 1024,
-                                   policy=policy))
+                                   policy=policy, operator_token=os.environ.get("LOCKSTEP_OPERATOR_TOKEN") or None))
     _exit_on_sigterm()
     child = None
     if worker_args is not None:

@@ -1,0 +1,109 @@
+"""GET /metrics (service/prometheus.py): the service in Prometheus' format, for the operator only.
+
+The store's numbers are checked against rows written here as a worker would write them (claimed,
+finished at known times), on SQLite and PostgreSQL (the latency is computed in SQL, per dialect)."""
+
+import datetime as dt
+import re
+import uuid
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+
+from lockstep.service.app import ServiceConfig, create_app
+from lockstep.service.db import Endpoint, Usage, connect
+from lockstep.service.db import Request as RequestRow
+from lockstep.service.tenants import create_tenant
+from test_service_backends import postgres_url  # noqa: F401 - a fixture
+
+TOKEN = "operator-" + uuid.uuid4().hex
+
+
+def scrape(client, token=TOKEN) -> dict:
+    r = client.get("/metrics", headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == CONTENT_TYPE_LATEST  # the text exposition format
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+def _row(tenant_id, kind, state, order, *, queued_s=None, took_s=None, worker=None):
+    t0 = dt.datetime(2026, 12, 5, 12, 0, 0)
+    return RequestRow(id=uuid.uuid4().hex, tenant_id=tenant_id, kind=kind, payload=b"{}", payload_sha="0" * 64,
+                      state=state, order=order, created_at=t0, claimed_by=worker,
+                      claimed_at=t0 + dt.timedelta(seconds=queued_s) if queued_s is not None else None,
+                      finished_at=t0 + dt.timedelta(seconds=took_s) if took_s is not None else None)
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+def test_metrics_report_the_queue_latency_workers_and_usage(tmp_path, store, request):
+    url = request.getfixturevalue("postgres_url") if store == "postgres" else f"sqlite:///{tmp_path / 'db.sqlite'}"
+    _, sessions = connect(url)
+    suffix = uuid.uuid4().hex[:8]
+    with sessions() as s:
+        alice, key = create_tenant(s, f"alice-{suffix}")
+        s.add_all([
+            _row(alice.id, "sample", "queued", 1),
+            _row(alice.id, "sample", "running", 2, queued_s=0.2, worker=f"w-{suffix}"),
+            _row(alice.id, "sample", "done", 3, queued_s=0.3, took_s=0.75, worker=f"w-{suffix}"),
+            _row(alice.id, "sample", "done", 4, queued_s=0.02, took_s=2.0, worker=f"w-{suffix}"),
+            _row(alice.id, "forward_backward", "failed", 5, queued_s=1.0, took_s=40.0, worker=f"w-{suffix}"),
+            Usage(tenant_id=alice.id, kind="sampled_tokens", amount=100.0),
+            Usage(tenant_id=alice.id, kind="sampled_tokens", amount=28.0),
+            Endpoint(id=f"w-{suffix}", role="worker", host="127.0.0.1", port=1),
+        ])
+        s.commit()
+    with TestClient(create_app(ServiceConfig(db_url=url, storage_url=str(tmp_path / "storage"),
+                                             operator_token=TOKEN))) as client:
+        client.post("/api/v1/create_session", headers={"X-API-Key": key}, json={})
+        client.get("/v1/jobs/j-unknown", headers={"X-API-Key": key})
+        client.get("/no/such/route")
+        client.get("/v1/datasets", headers={"X-API-Key": key})
+        m = scrape(client)
+    assert m["lockstep_requests_in_flight", (("kind", "sample"), ("state", "queued"))] == 1
+    assert m["lockstep_requests_in_flight", (("kind", "sample"), ("state", "running"))] == 1
+    assert m["lockstep_requests_completed_total", (("kind", "sample"), ("state", "done"))] == 2
+    assert m["lockstep_requests_completed_total", (("kind", "forward_backward"), ("state", "failed"))] == 1
+    total = "lockstep_request_duration_seconds"
+    assert m[f"{total}_bucket", (("kind", "sample"), ("le", "0.5"))] == 0
+    assert m[f"{total}_bucket", (("kind", "sample"), ("le", "1.0"))] == 1
+    assert m[f"{total}_bucket", (("kind", "sample"), ("le", "2.5"))] == 2
+    assert m[f"{total}_count", (("kind", "sample"),)] == 2
+    assert m[f"{total}_sum", (("kind", "sample"),)] == pytest.approx(2.75, abs=1e-3)
+    assert m[f"{total}_bucket", (("kind", "forward_backward"), ("le", "30.0"))] == 0
+    assert m[f"{total}_bucket", (("kind", "forward_backward"), ("le", "60.0"))] == 1
+    wait = "lockstep_request_queue_wait_seconds"
+    assert m[f"{wait}_bucket", (("kind", "sample"), ("le", "0.025"))] == 1  # the running one is not counted
+    assert m[f"{wait}_sum", (("kind", "sample"),)] == pytest.approx(0.32, abs=1e-3)
+    assert m["lockstep_workers", ()] == 1 and m["lockstep_workers_busy", ()] == 1
+    assert m["lockstep_tenant_usage_total", (("kind", "sampled_tokens"), ("tenant", f"alice-{suffix}"))] == 128.0
+    http = "lockstep_http_requests_total"
+    assert m[http, (("method", "POST"), ("route", "/api/v1/create_session"), ("status", "200"))] == 1
+    assert m[http, (("method", "GET"), ("route", "/v1/jobs/{job_id}"), ("status", "404"))] == 1
+    assert m[http, (("method", "GET"), ("route", "unmatched"), ("status", "404"))] == 1  # no raw path as a label
+    assert m[http, (("method", "GET"), ("route", "/v1/datasets"), ("status", "200"))] == 1
+    assert m["lockstep_http_request_duration_seconds_count", (("method", "POST"), ("route", "/api/v1/create_session"))] == 1
+
+
+def test_every_route_is_labelled_with_its_full_path_template(tmp_path):
+    app = create_app(ServiceConfig(db_url=f"sqlite:///{tmp_path / 'db.sqlite'}", storage_url=str(tmp_path / "s")))
+    labels = {re.sub(r"\{(\w+):\w+\}", r"{\1}", v) for v in app.state.metrics._route_names.values()}  # {id:path}
+    assert set(app.openapi()["paths"]) <= labels
+
+
+def test_metrics_are_the_operators_only(tmp_path):
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    _, sessions = connect(url)
+    with sessions() as s:
+        _, key = create_tenant(s, "alice")
+    with TestClient(create_app(ServiceConfig(db_url=url, storage_url=str(tmp_path / "s"), operator_token=TOKEN))) as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}, {"X-API-Key": key},
+                        {"Authorization": f"Bearer {TOKEN}x"}):
+            r = c.get("/metrics", headers=headers)
+            assert r.status_code == 401 and "operator's token" in r.json()["error"], headers
+        scrape(c)
+    with TestClient(create_app(ServiceConfig(db_url=url, storage_url=str(tmp_path / "s")))) as c:
+        r = c.get("/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 404 and "LOCKSTEP_OPERATOR_TOKEN" in r.json()["error"]
