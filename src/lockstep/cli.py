@@ -142,6 +142,13 @@ def _cmd_run(args) -> int:
     if args.metrics_port is not None:
         _serve_metrics(Path(run_dir), args.metrics_port)
         console.print(f"Prometheus metrics: http://127.0.0.1:{args.metrics_port}/metrics")
+    if args.alerts or args.alert_webhook:
+        from lockstep.monitor import alerts
+
+        rules = alerts.load_rules(args.alerts)
+        alerts.watch(Path(run_dir), rules, alerts.Webhook(args.alert_webhook) if args.alert_webhook else None)
+        console.print(f"alerts: {len(rules)} rules -> {run_dir}/alerts.jsonl"
+                      + (f" and {args.alert_webhook}" if args.alert_webhook else ""))
     total = sum(s.steps for s in spec.stages)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
                   TimeElapsedColumn(), console=console, transient=False) as bar:
@@ -413,6 +420,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint")
     run.add_argument("--metrics-port", type=int, metavar="PORT",
                      help="serve the run's step metrics for Prometheus at http://127.0.0.1:PORT/metrics")
+    run.add_argument("--alerts", metavar="FILE", help="alert rules TOML (default: the shipped rules, "
+                                                       "src/lockstep/monitor/default_alerts.toml)")
+    run.add_argument("--alert-webhook", metavar="URL", help="POST alerts (firing and resolved) to URL as JSON; "
+                                                            "with --alerts or this, alerts also go to RUN_DIR/alerts.jsonl")
     run.set_defaults(func=_cmd_run)
     check = sub.add_parser("check", help="self-checks")
     check_sub = check.add_subparsers(dest="check", required=True)

@@ -9,14 +9,13 @@ while it is written: a partial last line waits for the next scrape.
 
 from __future__ import annotations
 
-import json
-import math
 import re
-import threading
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from lockstep.monitor.runfile import MetricsFile
 
 PREFIX = "lockstep_run_"
 
@@ -25,47 +24,6 @@ def metric_name(key: str) -> str:
     name = re.sub(r"[^a-zA-Z0-9_]", "_", key).strip("_").lower()
     name = re.sub(r"_s$", "_seconds", name)
     return PREFIX + re.sub(r"_+", "_", name)
-
-
-class MetricsFile:
-    """metrics.jsonl read incrementally: the latest value of each key, and the records seen."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self._offset = 0
-        self._lock = threading.Lock()
-        self.latest: dict[str, float] = {}
-        self.step = 0
-        self.records = 0
-
-    def refresh(self) -> None:
-        with self._lock:
-            try:
-                size = self.path.stat().st_size
-            except FileNotFoundError:
-                return
-            if size < self._offset:  # rewritten (a resumed run drops the records past its checkpoint)
-                self._offset, self.latest, self.records = 0, {}, 0
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read(size - self._offset)
-            complete = chunk[: chunk.rfind(b"\n") + 1]  # a partial last line: the next scrape
-            self._offset += len(complete)
-            for line in complete.splitlines():
-                self._take(line)
-
-    def _take(self, line: bytes) -> None:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            return  # not a record (a torn write from a crash); the run's own reader skips it too
-        if not isinstance(record, dict):
-            return
-        self.records += 1
-        self.step = int(record.get("step", self.step))
-        for k, v in record.items():
-            if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                self.latest[k] = float(v)
 
 
 class RunCollector:

@@ -192,11 +192,16 @@ def adam(stage: StageSpec) -> dict:
     return {"learning_rate": stage.learning_rate, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "grad_clip_norm": 1.0}
 
 
-def staleness_histogram(batch, trainer_version: int) -> dict[str, int]:
-    """Samples per staleness (trainer version minus the sample's oldest token version), and the max."""
+def staleness_histogram(batch, trainer_version: int, max_staleness: int) -> dict[str, float]:
+    """Samples per staleness (trainer version minus the sample's oldest token version), the max, and
+    (asynchronous stages) the share of samples at the bound: near 1, the generator is always a full
+    `max_staleness` behind, i.e. the bound, not the work, sets the pace."""
     ages = [trainer_version - s.version for g in batch for s in g.samples]
     hist = {f"staleness/{a}": ages.count(a) for a in sorted(set(ages))}
-    return {**hist, "rollout/staleness_max": max(ages)}
+    out = {**hist, "rollout/staleness_max": max(ages)}
+    if max_staleness > 0:
+        out["rollout/staleness_at_bound"] = sum(a >= max_staleness for a in ages) / len(ages)
+    return out
 
 
 class RLLoop:
@@ -357,5 +362,5 @@ def rl_stage(loop: RLLoop, on_step, should_stop) -> int:
         c.publish()                               # Update: the generator swaps between decode steps
         trained_at = c.version - 1                # the version the trainer held during this step
         on_step(loop.step, batch, metrics, {**report.counts(), **loop.queues(),
-                                            **staleness_histogram(batch, trained_at)})
+                                            **staleness_histogram(batch, trained_at, loop.stage.max_staleness)})
     return loop.step
