@@ -17,7 +17,9 @@ def _surface(parser, prefix=""):
 def test_cli_surface_is_frozen():
     assert _surface(build_parser()) == {
         "--help/-h",
-        "run --help/-h", "run --run-dir", "run --ray-address", "run --dry-run", "run --resume", "run --metrics-port", "run --alerts", "run --alert-webhook",
+        "run --help/-h", "run --run-dir", "run --ray-address", "run --dry-run", "run --resume", "run --metrics-port",
+        "run --alerts", "run --alert-webhook",
+        "trace --help/-h", "trace --output/-o",
         "check --help/-h",
         "check consistency --help/-h", "check consistency --model", "check consistency --json",
         "check consistency --seed", "check consistency --max-tokens", "check consistency --speculative",

@@ -191,6 +191,19 @@ def _load_policy(path: str | None):
     return policy
 
 
+def _cmd_trace(args) -> int:
+    from lockstep.config import ConfigError
+    from lockstep.monitor.trace import chrome_trace, read_spans
+
+    path = Path(args.run_dir) / "trace.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"{args.run_dir}: no trace.jsonl there (is it a run directory? runs write it as they go)")
+    trace = chrome_trace(read_spans(path), f"lockstep run {Path(args.run_dir).name}")
+    Path(args.output).write_text(json.dumps(trace))
+    print(f"{trace['otherData']['spans']} spans -> {args.output} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
 def _cmd_serve(args) -> int:
     from lockstep.service.serve import default_db, default_storage, parse_models, run_api, worker_argv
 
@@ -425,6 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--alert-webhook", metavar="URL", help="POST alerts (firing and resolved) to URL as JSON; "
                                                             "with --alerts or this, alerts also go to RUN_DIR/alerts.jsonl")
     run.set_defaults(func=_cmd_run)
+    trace = sub.add_parser("trace", help="a run's spans as Chrome/Perfetto trace-event JSON")
+    trace.add_argument("run_dir", metavar="RUN_DIR")
+    trace.add_argument("-o", "--output", metavar="FILE", required=True, help="where to write the trace (JSON)")
+    trace.set_defaults(func=_cmd_trace)
     check = sub.add_parser("check", help="self-checks")
     check_sub = check.add_subparsers(dest="check", required=True)
     cons = check_sub.add_parser("consistency", help="sampler vs trainer logprobs, bit for bit")

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import ray
 
 from lockstep.config.types import StageSpec
+from lockstep.monitor.trace import Timed
 from lockstep.runtime.filters import FilterReport, clean, to_datums, too_stale
 from lockstep.runtime.ledger import Ledger
 from lockstep.runtime.types import ActorRestarted, RolloutGroup, RolloutRequest
@@ -98,6 +99,8 @@ class Components:
     """Per actor, busy seconds of its earlier incarnations (as last read), so busy fractions
     survive a restart."""
     last_stats: dict = field(default_factory=dict)
+    spans: object = None
+    """The run's SpanLog (monitor/trace.py), or None: where the loop's spans go."""
 
     def actors(self) -> dict:
         return {"trainer": self.trainer, "generator": self.generator,
@@ -105,6 +108,11 @@ class Components:
 
     def publish(self) -> None:
         """Put the trainer's weights in the object store and point the generator at them."""
+        with Timed(self.spans, "publish", "weights") as span:
+            self._publish()
+            span.args["version"] = self.version
+
+    def _publish(self) -> None:
         version_ref, weights_ref = self.trainer.publish.remote()
         self.version = wait(version_ref, self.timeout, "trainer.publish")
         self.weights_ref = weights_ref
@@ -253,13 +261,13 @@ class RLLoop:
             req = RolloutRequest(tuple(ids), tuple(self.builder(g) for g in ids), s.group_size, s.temperature,
                                  self.seed * 1_000_003 + self.calls)
             self.calls += 1
-            self.in_flight.append((self.c.rollout(req), req))
+            self.in_flight.append((self.c.rollout(req), req, time.time()))
 
     # -- Reward ------------------------------------------------------------------------------
     def collect(self) -> FilterReport | None:
         """Wait for the oldest batch, record it in the ledger and clean it; None if a crashed
         component lost it (its groups are queued for replay)."""
-        ref, req = self.in_flight.popleft()
+        ref, req, issued = self.in_flight.popleft()
         t = time.perf_counter()
         try:
             groups = wait(ref, self.c.timeout, "rollout (generate + reward)")
@@ -272,6 +280,7 @@ class RLLoop:
         self.c.stats["wait_s"] += time.perf_counter() - t
         self.c.stats["tokens/sampled"] += sum(sum(x.sampled) if x.sampled else len(x.tokens) for g in groups for x in g.samples)
         ids = [g.group_id for g in groups]
+        self._spans(groups, issued)
         self.ledger.generated(ids, max(g.generated_at for g in groups))
         self.ledger.rewarded(ids, max(g.rewarded_at for g in groups))
         s = self.stage
@@ -284,6 +293,19 @@ class RLLoop:
         for k, v in report.counts().items():
             self.c.stats[k] += v
         return report
+
+    def _spans(self, groups, issued: float) -> None:
+        """The batch's generation (issued -> its last group generated) and rewards (its first group
+        generated -> its last rewarded), as spans of the generator and the environments."""
+        log = self.c.spans
+        if log is None or not groups:
+            return
+        first_id = groups[0].group_id.rsplit(".", 1)[0]
+        generated = max(g.generated_at for g in groups)
+        log.span("generate", "generator", issued, generated, batch=first_id, groups=len(groups),
+                 samples=sum(len(g.samples) for g in groups))
+        log.span("reward", "environments", min(g.generated_at for g in groups), max(g.rewarded_at for g in groups),
+                 batch=first_id, groups=len(groups))
 
     def _retire(self, ids: list[str], reason: str) -> None:
         if ids:
@@ -327,8 +349,9 @@ class RLLoop:
     def train(self, batch: list[RolloutGroup]) -> dict:
         s = self.stage
         data, starts = to_datums(batch, estimator=s.advantage)
-        metrics = wait(self.c.trainer.train.remote(data, s.loss, adam(s), dict(s.loss_config), starts),
-                       self.c.timeout, "trainer.train")
+        with Timed(self.c.spans, "train", "trainer", step=self.step + 1, groups=len(batch)):
+            metrics = wait(self.c.trainer.train.remote(data, s.loss, adam(s), dict(s.loss_config), starts),
+                           self.c.timeout, "trainer.train")
         self.step += 1
         self.ledger.trained([g.group_id for g in batch], self.step)
         return metrics

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from lockstep.config import ConfigError, RunSpec, to_dict
 from lockstep.monitor.metrics import MetricsLogger
+from lockstep.monitor.trace import SpanLog
 from lockstep.runtime import controller as ctl
 from lockstep.runtime.ledger import Ledger
 
@@ -105,6 +106,9 @@ class RunDirectory:
                 sink.close()
         self.pos, self.ledger, self.loop = position, ledger, None
         self.metrics = MetricsLogger(self.dir, keep_through=keep_through)
+        if self.c.spans is not None:
+            self.c.spans.close()
+        self.c.spans = SpanLog(self.dir / "trace.jsonl")
         lifetime = {k: self.c.stats[k] for k in LIFETIME_COUNTERS if k in self.c.stats}
         self.c.stats.clear()
         self.c.stats.update(position["counters"])
@@ -163,6 +167,9 @@ class RunDirectory:
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.metrics.close()
         self.ledger.close()
+        if self.c.spans is not None:
+            self.c.spans.close()
+            self.c.spans = None
         from lockstep.monitor.report import write_report
 
         write_report(self.dir, summary)

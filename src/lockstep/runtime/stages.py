@@ -13,6 +13,7 @@ from pathlib import Path
 
 from lockstep.config import RunSpec
 from lockstep.config.types import StageSpec
+from lockstep.monitor.trace import Timed
 from lockstep.runtime import controller as ctl
 from lockstep.runtime.balancer import ThreadBalancer
 from lockstep.runtime.plan import Plan
@@ -82,7 +83,7 @@ class Run(RunDirectory):
         return [g for groups in results for g in groups]
 
     def evaluate(self, stage: str, *, pass_k: int = 0) -> float:
-        t = time.perf_counter()
+        t, started = time.perf_counter(), time.time()
         groups = self._rollout_all(1, 0.0)
         acc = sum(s.correct for g in groups for s in g.samples) / max(1, len(groups))
         record = {"eval/accuracy": acc, "eval/stage": stage}
@@ -90,6 +91,8 @@ class Run(RunDirectory):
             sampled = self._rollout_all(pass_k, 1.0)
             record[f"eval/pass@{pass_k}"] = sum(any(s.correct for s in g.samples) for g in sampled) / max(1, len(sampled))
         self.pos["eval_seconds"] = self.pos.get("eval_seconds", 0.0) + time.perf_counter() - t
+        if self.c.spans is not None:
+            self.c.spans.span("evaluate", "evaluation", started, time.time(), stage=stage, accuracy=acc)
         self.pos["evals"].append({"step": self.pos["global_step"], "stage": stage, "time": time.time() - self.t0,
                                   "eval_seconds_so_far": self.pos["eval_seconds"], "accuracy": acc,
                                   **{k.split("/")[1]: v for k, v in record.items() if "@" in k}})
@@ -154,8 +157,9 @@ class Run(RunDirectory):
         for k in range(first, stage.steps):
             data = [Datum.from_tokens(e.prompt + e.completion, weights=[0.0] * (len(e.prompt) - 1) + [1.0] * len(e.completion))
                     for e in self.data[index].get_batch(k)]
-            metrics = ctl.wait(self.c.trainer.train.remote(data, "cross_entropy", ctl.adam(stage)), self.c.timeout,
-                               "trainer.train")
+            with Timed(self.c.spans, "sft step", "trainer", step=k + 1):
+                metrics = ctl.wait(self.c.trainer.train.remote(data, "cross_entropy", ctl.adam(stage)), self.c.timeout,
+                                   "trainer.train")
             self.c.stats["tokens/trained"] += sum(len(d.model_input) for d in data)
             self.pos["global_step"] += 1
             self.pos["stage_step"] = k + 1
