@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from lockstep.service.app import ServiceConfig, create_app
-from lockstep.service.db import Endpoint, Usage, connect
+from lockstep.service.db import Endpoint, Usage, connect, now
 from lockstep.service.db import Request as RequestRow
 from lockstep.service.tenants import create_tenant
 from test_service_backends import postgres_url  # noqa: F401 - a fixture
@@ -30,7 +30,7 @@ def scrape(client, token=TOKEN) -> dict:
 
 
 def _row(tenant_id, kind, state, order, *, queued_s=None, took_s=None, worker=None):
-    t0 = dt.datetime(2026, 12, 5, 12, 0, 0)
+    t0 = now().replace(microsecond=0) - dt.timedelta(hours=1)
     return RequestRow(id=uuid.uuid4().hex, tenant_id=tenant_id, kind=kind, payload=b"{}", payload_sha="0" * 64,
                       state=state, order=order, created_at=t0, claimed_by=worker,
                       claimed_at=t0 + dt.timedelta(seconds=queued_s) if queued_s is not None else None,
@@ -107,3 +107,35 @@ def test_metrics_are_the_operators_only(tmp_path):
     with TestClient(create_app(ServiceConfig(db_url=url, storage_url=str(tmp_path / "s")))) as c:
         r = c.get("/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 404 and "LOCKSTEP_OPERATOR_TOKEN" in r.json()["error"]
+
+
+def test_the_trace_holds_the_callers_requests_only(tmp_path):
+    from test_run_monitoring import check_trace_events
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    _, sessions = connect(url)
+    with sessions() as s:
+        alice, key_a = create_tenant(s, "alice")
+        bob, key_b = create_tenant(s, "bob")
+        s.add_all([_row(alice.id, "sample", "done", 1, queued_s=0.5, took_s=2.0, worker="w1"),
+                   _row(alice.id, "forward_backward", "running", 2, queued_s=1.0, worker="w2"),
+                   _row(alice.id, "optim_step", "queued", 3),
+                   _row(bob.id, "sample", "done", 4, queued_s=0.1, took_s=0.3, worker="w1")])
+        s.commit()
+    with TestClient(create_app(ServiceConfig(db_url=url, storage_url=str(tmp_path / "s")))) as c:
+        r = c.get("/v1/trace", headers={"X-API-Key": key_a})
+        assert r.status_code == 200
+        trace = r.json()
+        check_trace_events(trace)
+        names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+        spans = [(e["name"], names[e["tid"]].split(" #")[0], e["dur"]) for e in trace["traceEvents"] if e["ph"] == "X"]
+        assert sorted((n, t) for n, t, _ in spans) == sorted([
+            ("queued sample", "queue"), ("sample", "worker w1"), ("queued forward_backward", "queue"),
+            ("forward_backward", "worker w2"), ("queued optim_step", "queue")])
+        assert [d for n, t, d in spans if n == "sample"] == [1.5e6]  # claimed at 0.5 s, finished at 2 s
+        bob_trace = c.get("/v1/trace", headers={"X-API-Key": key_b}).json()
+        assert [e["name"] for e in bob_trace["traceEvents"] if e["ph"] == "X"] == ["queued sample", "sample"]
+        assert c.get("/v1/trace").status_code == 401
+        assert c.get("/v1/trace?limit=0", headers={"X-API-Key": key_a}).status_code == 400
+        assert len([e for e in c.get("/v1/trace?limit=1", headers={"X-API-Key": key_a}).json()["traceEvents"]
+                    if e["ph"] == "X"]) == 1  # the newest: the queued optim_step

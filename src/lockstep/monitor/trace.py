@@ -76,7 +76,7 @@ def chrome_trace(spans: list[dict], process: str) -> dict:
         lanes[key] = s["end"]
         tid = tids.setdefault(key, len(tids) + 1)
         events.append({"name": s["name"], "cat": s["track"], "ph": "X", "pid": 1, "tid": tid,
-                       "ts": round((s["start"] - origin) * 1e6, 3), "dur": round((s["end"] - s["start"]) * 1e6, 3),
+                       "ts": round((s["start"] - origin) * 1e6, 3), "dur": round(max(s["end"] - s["start"], 0.0) * 1e6, 3),
                        "args": s.get("args") or {}})
     meta = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": process}}]
     for (track, lane), tid in tids.items():

@@ -22,13 +22,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from sqlalchemy import case, func, select
 
-from lockstep.service.db import Endpoint, Job, Tenant, Usage
+from lockstep.service.db import Endpoint, Job, Tenant, Usage, now
 from lockstep.service.db import Request as RequestRow
-from lockstep.service.types import RequestState
+from lockstep.service.types import WORKER_LEASE_S, RequestState
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-WORKER_SEEN_S = 60.0
-"""A worker whose endpoint row was refreshed this recently counts as live."""
 
 
 class HttpMetrics:
@@ -116,12 +114,12 @@ class StoreCollector:
 
     @staticmethod
     def _workers(s):
-        since = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None) - dt.timedelta(seconds=WORKER_SEEN_S)
+        since = now() - dt.timedelta(seconds=WORKER_LEASE_S)  # a current lease, as /v1/health counts them
         live = s.scalar(select(func.count()).select_from(Endpoint).where(Endpoint.role == "worker",
                                                                           Endpoint.last_seen >= since))
         busy = s.scalar(select(func.count(func.distinct(RequestRow.claimed_by)))
                         .where(RequestRow.state == RequestState.RUNNING.value))
-        yield GaugeMetricFamily("lockstep_workers", "Workers seen in the last minute", value=live or 0)
+        yield GaugeMetricFamily("lockstep_workers", "Workers with a current lease", value=live or 0)
         yield GaugeMetricFamily("lockstep_workers_busy", "Workers running a request now", value=busy or 0)
 
 
