@@ -18,8 +18,8 @@ def test_cli_surface_is_frozen():
     assert _surface(build_parser()) == {
         "--help/-h",
         "run --help/-h", "run --run-dir", "run --ray-address", "run --dry-run", "run --resume", "run --metrics-port",
-        "run --alerts", "run --alert-webhook",
-        "trace --help/-h", "trace --output/-o",
+        "run --alerts", "run --alert-webhook", "run --dashboard",
+        "trace --help/-h", "trace --output/-o", "dashboard --help/-h", "dashboard --port",
         "check --help/-h",
         "check consistency --help/-h", "check consistency --model", "check consistency --json",
         "check consistency --seed", "check consistency --max-tokens", "check consistency --speculative",

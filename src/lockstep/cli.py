@@ -60,6 +60,9 @@ PREEMPTED_EXIT = 75
 requeues such a job and resumes it later."""
 
 
+DASHBOARD_PORT = 8600
+
+
 def _load_spec(args):
     import dataclasses
 
@@ -142,6 +145,13 @@ def _cmd_run(args) -> int:
     if args.metrics_port is not None:
         _serve_metrics(Path(run_dir), args.metrics_port)
         console.print(f"Prometheus metrics: http://127.0.0.1:{args.metrics_port}/metrics")
+    if args.dashboard is not None:
+        from lockstep.monitor import dashboard
+
+        _check_port(args.dashboard, "--dashboard")
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        dashboard.serve(Path(run_dir), args.dashboard, background=True)
+        console.print(f"dashboard: http://127.0.0.1:{args.dashboard}/")
     if args.alerts or args.alert_webhook:
         from lockstep.monitor import alerts
 
@@ -189,6 +199,33 @@ def _load_policy(path: str | None):
         raise SystemExit(f"error: --policy: {e}") from None
     os.environ[POLICY_ENV] = str(Path(path).resolve())
     return policy
+
+
+def _cmd_dashboard(args) -> int:
+    from lockstep.config import ConfigError
+    from lockstep.monitor import dashboard
+
+    if not Path(args.run_dir).is_dir():
+        raise ConfigError(f"{args.run_dir}: no such run directory")
+    _check_port(args.port, "--port")
+    print(f"lockstep dashboard: http://127.0.0.1:{args.port}/ ({args.run_dir}); Ctrl-C stops it")
+    dashboard.serve(Path(args.run_dir), args.port)
+    return 0
+
+
+def _check_port(port: int, flag: str) -> None:
+    import socket
+
+    from lockstep.config import ConfigError
+
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{flag} {port}: expected a TCP port in [1, 65535]")
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will: a TIME_WAIT port is free
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            raise ConfigError(f"{flag} {port}: cannot listen there ({e.strerror or e}); pick another port") from None
 
 
 def _cmd_trace(args) -> int:
@@ -433,11 +470,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint")
     run.add_argument("--metrics-port", type=int, metavar="PORT",
                      help="serve the run's step metrics for Prometheus at http://127.0.0.1:PORT/metrics")
+    run.add_argument("--dashboard", type=int, nargs="?", const=DASHBOARD_PORT, metavar="PORT",
+                     help=f"serve the run's live page at http://127.0.0.1:PORT/ (default port {DASHBOARD_PORT})")
     run.add_argument("--alerts", metavar="FILE", help="alert rules TOML (default: the shipped rules, "
                                                        "src/lockstep/monitor/default_alerts.toml)")
     run.add_argument("--alert-webhook", metavar="URL", help="POST alerts (firing and resolved) to URL as JSON; "
                                                             "with --alerts or this, alerts also go to RUN_DIR/alerts.jsonl")
     run.set_defaults(func=_cmd_run)
+    dash = sub.add_parser("dashboard", help="a run's live page in the browser")
+    dash.add_argument("run_dir", metavar="RUN_DIR")
+    dash.add_argument("--port", type=int, default=DASHBOARD_PORT, help=f"port on 127.0.0.1 (default {DASHBOARD_PORT})")
+    dash.set_defaults(func=_cmd_dashboard)
     trace = sub.add_parser("trace", help="a run's spans as Chrome/Perfetto trace-event JSON")
     trace.add_argument("run_dir", metavar="RUN_DIR")
     trace.add_argument("-o", "--output", metavar="FILE", required=True, help="where to write the trace (JSON)")
