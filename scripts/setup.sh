@@ -25,4 +25,10 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! ls /usr/lib/postgres
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql) >/dev/null 2>&1 \
     || echo "setup: could not install PostgreSQL; its tests will be skipped"
 fi
+# Chromium and its driver, for the dashboard's browser test (tests/test_dashboard.py, selenium),
+# from Debian packages when this runs as root; nothing is downloaded at test time.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v chromedriver >/dev/null; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
+    || echo "setup: could not install Chromium; the dashboard's browser test will fail (or skip without LOCKSTEP_REQUIRE_SERVICES)"
+fi
 echo "lockstep is set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
