@@ -248,3 +248,59 @@ def test_a_reserved_job_preempts_and_the_preempted_job_resumes(service):
     run_dir = service.home_jobs / victim / "run"
     led = audit(run_dir / "ledger.jsonl")  # the resumed job trained every group exactly once
     assert sorted(set(led.trained_step.values())) == list(range(1, 101)) and led.pending() == []
+
+
+def test_a_jobs_page_updates_live_in_a_browser_and_stays_its_tenants(service, tmp_path):
+    """/ui: alice signs in with her key, finds her running job and opens its page; the reward curve
+    grows as steps arrive, the pipeline panel ends equal to the job's metrics.jsonl, the console
+    stays clean; bob, signed in with his key, cannot see the job, by the list or by its URL."""
+    from test_dashboard import _browser
+
+    job_id = submit(service, "alice", "rl.steps=12", "rl.prompts_per_step=2", name="watched")
+    driver = _browser()
+    try:
+        driver.get(f"{service.url}/ui")
+        driver.find_element("id", "key").send_keys(service.keys["alice"])
+        driver.find_element("css selector", "#signin button").click()
+        row = wait_for(lambda: driver.find_elements("id", f"job-{job_id}"), "the job in alice's list")
+        row[0].find_element("tag name", "a").click()
+
+        def points():
+            return driver.execute_script(
+                "const d = document.getElementById('chart-reward').data; return d && d.length ? d[0].x.length : 0")
+
+        first = wait_for(lambda: points() >= 2 and points(), "two points on the reward curve", timeout=300)
+        wait_for(lambda: points() > first, "the reward curve to grow as steps arrive", timeout=300)
+        assert wait_state(service, "alice", job_id, ("succeeded",))["state"] == "succeeded"
+        wait_for(lambda: points() == 12, "every RL step on the curve")
+        records = [json.loads(x) for x in api(service, "alice", "GET", f"jobs/{job_id}/artifacts/metrics.jsonl").text.splitlines()]
+        latest = {}
+        for r in records:
+            latest.update({k: v for k, v in r.items() if isinstance(v, (int, float))})
+        cells = {c.get_attribute("data-key"): c.text for c in driver.find_elements("css selector", "#pipeline td[data-key]")}
+        assert float(cells["throughput/samples_per_s"]) == pytest.approx(latest["throughput/samples_per_s"], rel=1e-3)
+        for key, shown in cells.items():
+            assert (float(shown) == pytest.approx(latest[key], rel=1e-3)) if key in latest else shown == "–", key
+        assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
+        driver.save_screenshot(str(tmp_path / "job.png"))
+        # bob: his list has no such job, and its page answers as for an unknown one
+        driver.execute_script("sessionStorage.setItem('lockstep-api-key', arguments[0])", service.keys["bob"])
+        driver.get(f"{service.url}/ui")
+        wait_for(lambda: driver.find_element("id", "signed-in").is_displayed(), "bob's list")
+        assert not driver.find_elements("id", f"job-{job_id}")
+        driver.get(f"{service.url}/ui/jobs/{job_id}")
+        wait_for(lambda: "unknown job" in driver.find_element("id", "status").text, "the page to refuse the job")
+        assert points() == 0 and driver.find_element("id", "step").text == "0"
+        driver.get_log("browser")  # (the refused request is logged as a failed load: expected)
+    finally:
+        driver.quit()
+
+
+def wait_for(pred, what, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")

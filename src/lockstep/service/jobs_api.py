@@ -117,7 +117,22 @@ def list_jobs(request: Request, t: Tenant = TENANT, state: JobState | None = Non
         if state:
             q = q.where(Job.state == state.value)
         jobs = list(s.scalars(q.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)))
-        return {"jobs": [_job_json(j) for j in reversed(jobs)]}
+        latest = _latest_metrics(s, [j.id for j in jobs])
+        return {"jobs": [{**_job_json(j), "latest": latest.get(j.id)} for j in reversed(jobs)]}
+
+
+LATEST_KEYS = ("rollout/reward_mean", "rollout/accuracy", "eval/accuracy")
+
+
+def _latest_metrics(s, job_ids: list[str]) -> dict[str, dict]:
+    """Each job's newest metrics record, cut to its step and the reward and accuracy keys (two
+    queries, whatever the number of jobs)."""
+    if not job_ids:
+        return {}
+    newest = select(func.max(JobEvent.id)).where(JobEvent.job_id.in_(job_ids), JobEvent.kind == "metrics")
+    rows = s.execute(select(JobEvent.job_id, JobEvent.data).where(
+        JobEvent.id.in_(newest.group_by(JobEvent.job_id))))
+    return {job_id: {k: data.get(k) for k in ("step", *LATEST_KEYS) if k in data} for job_id, data in rows}
 
 
 @router.get("/jobs/{job_id}")
