@@ -139,3 +139,75 @@ def test_the_trace_holds_the_callers_requests_only(tmp_path):
         assert c.get("/v1/trace?limit=0", headers={"X-API-Key": key_a}).status_code == 400
         assert len([e for e in c.get("/v1/trace?limit=1", headers={"X-API-Key": key_a}).json()["traceEvents"]
                     if e["ph"] == "X"]) == 1  # the newest: the queued optim_step
+
+
+def test_stats_give_the_callers_latency_percentiles_and_nothing_of_others(tmp_path):
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    _, sessions = connect(url)
+    with sessions() as s:
+        alice, key_a = create_tenant(s, "alice")
+        bob, key_b = create_tenant(s, "bob")
+        # alice: 100 finished samples taking 1..100 s (queue wait a tenth of it), one running, one queued
+        s.add_all([_row(alice.id, "sample", "done", i, queued_s=i / 10, took_s=float(i), worker="w1") for i in range(1, 101)])
+        s.add_all([_row(alice.id, "forward_backward", "running", 101, queued_s=1.0, worker="w1"),
+                   _row(alice.id, "sample", "queued", 102), _row(bob.id, "sample", "done", 103, queued_s=9.0, took_s=999.0)])
+        s.add(Endpoint(id="w1", role="worker", host="127.0.0.1", port=1))
+        s.commit()
+    with TestClient(create_app(ServiceConfig(db_url=url, storage_url=str(tmp_path / "s")))) as c:
+        a = c.get("/v1/stats", headers={"X-API-Key": key_a}).json()
+        b = c.get("/v1/stats", headers={"X-API-Key": key_b}).json()
+        assert c.get("/v1/stats").status_code == 401
+    assert a["latency"]["sample"]["count"] == 100
+    assert a["latency"]["sample"]["total_s"] == {"p50": 50.0, "p90": 90.0, "p99": 99.0}
+    assert a["latency"]["sample"]["queue_wait_s"] == {"p50": 5.0, "p90": 9.0, "p99": 9.9}
+    assert a["requests_in_flight"] == {"forward_backward/running": 1, "sample/queued": 1} and a["queued"] == 1
+    assert a["workers"] == {"live": 1, "busy": 1}
+    assert b["latency"]["sample"]["total_s"]["p99"] == 999.0 and b["requests_in_flight"] == {}  # bob's own only
+
+
+def test_the_service_page_shows_the_callers_share_in_a_browser(tmp_path):
+    import threading
+    import time
+
+    import uvicorn
+
+    from test_dashboard import _browser, free_port
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    _, sessions = connect(url)
+    with sessions() as s:
+        alice, key = create_tenant(s, "alice")
+        s.add_all([_row(alice.id, "sample", "done", i, queued_s=i / 10, took_s=float(i), worker="w1") for i in range(1, 101)])
+        s.add(Endpoint(id="w1", role="worker", host="127.0.0.1", port=1))
+        s.commit()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(ServiceConfig(db_url=url, storage_url=str(tmp_path / "s"))),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    driver = _browser()
+    try:
+        driver.get(f"http://127.0.0.1:{port}/ui")
+        driver.find_element("id", "key").send_keys("wrong key")
+        driver.find_element("css selector", "#signin button").click()
+        deadline = time.time() + 20
+        while "unknown API key" not in driver.find_element("id", "error").text and time.time() < deadline:
+            time.sleep(0.1)
+        assert "unknown API key" in driver.find_element("id", "error").text
+        driver.find_element("id", "key").clear()
+        driver.find_element("id", "key").send_keys(key)
+        driver.find_element("css selector", "#signin button").click()
+        while not driver.find_elements("id", "latency-sample") and time.time() < deadline:
+            time.sleep(0.1)
+        cells = [td.text for td in driver.find_elements("css selector", "#latency-sample td")]
+        assert cells == ["sample", "100", "50", "90", "99", "5", "9", "9.900"], cells
+        rows = {tr.find_element("tag name", "th").text: tr.find_element("tag name", "td").text
+                for tr in driver.find_elements("css selector", "#service tr")}
+        assert rows["workers live"] == "1" and rows["requests queued"] == "0"
+        assert "alice" in driver.find_element("id", "tenant").text
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and "401" not in e["message"]]
+        assert errors == [], errors  # (the wrong key's 401 is logged as a failed load: expected)
+    finally:
+        driver.quit()
+        server.should_exit = True
