@@ -87,3 +87,13 @@ def test_trace_of_a_directory_that_is_no_run_is_a_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lockstep.cli", "trace", str(tmp_path), "-o", str(tmp_path / "t.json")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "no trace.jsonl there" in proc.stdout + proc.stderr
+
+
+def test_the_report_has_the_pipeline_timeline_and_the_final_tables(watched_run):
+    run_dir, _, _ = watched_run
+    page = (run_dir / "report.html").read_text()
+    assert 'alt="pipeline timeline"' in page and "<h2>Ledger and filters (whole run)</h2>" in page
+    ledger = [json.loads(x) for x in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    trained = sum(len(e["ids"]) for e in ledger if e.get("event") == "trained")
+    assert f"<tr><th>groups trained</th><td>{trained}</td></tr>" in page and trained == RL_STEPS * 2
+    assert "data:image/png;base64," in page and "http://" not in page and "https://" not in page  # one file

@@ -1,5 +1,6 @@
-"""report.html: accuracy and reward curves (matplotlib), speculative decoding's acceptance and
-draft lag when it was on, and the per-stage throughput table."""
+"""report.html, one self-contained file: accuracy and reward curves (matplotlib), the pipeline
+timeline (trace.jsonl's spans), speculative decoding's acceptance and draft lag when it was on,
+and the tables: the run's summary, per-stage throughput, the ledger's counts and the filters'."""
 
 from __future__ import annotations
 
@@ -43,11 +44,67 @@ def _curves(run_dir: Path, summary: dict) -> list[tuple[str, str]]:
         ax.grid(alpha=0.3)
         images.append(("mean reward", _png(fig)))
         plt.close(fig)
+    if (run_dir / "trace.jsonl").is_file():
+        from lockstep.monitor.trace import read_spans
+
+        spans = read_spans(run_dir / "trace.jsonl")
+        if spans:
+            images.append(("pipeline timeline", _png(_timeline(plt, spans))))
+            plt.close("all")
     spec = [r for r in records if "speculative/acceptance" in r]
     if spec:
         images.append(("speculative decoding: acceptance and draft lag", _png(_speculative_chart(plt, spec))))
         plt.close("all")
     return images
+
+
+TIMELINE_TRACKS = ("generator", "environments", "trainer", "weights", "evaluation")
+
+
+def _timeline(plt, spans: list[dict]):
+    """Each component's busy intervals over the run (trace.jsonl's spans), one row per track;
+    overlapping spans of a row (rollout batches in flight together) are drawn translucent."""
+    t0 = min(s["start"] for s in spans)
+    tracks = [t for t in TIMELINE_TRACKS if any(s["track"] == t for s in spans)]
+    tracks += sorted({s["track"] for s in spans} - set(tracks))
+    fig, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(tracks)))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for y, track in enumerate(tracks):
+        bars = [(s["start"] - t0, max(s["end"] - s["start"], 1e-3)) for s in spans if s["track"] == track]
+        ax.broken_barh(bars, (y - 0.35, 0.7), color=colors[y % len(colors)], alpha=0.55, linewidth=0)
+    ax.set_yticks(range(len(tracks)), tracks)
+    ax.invert_yaxis()
+    ax.set_xlabel("wall seconds since the first span")
+    ax.grid(alpha=0.3, axis="x")
+    return fig
+
+
+def _ledger_counts(run_dir: Path) -> dict[str, int]:
+    counts = {e: 0 for e in ("issued", "generated", "rewarded", "trained", "filtered")}
+    path = run_dir / "ledger.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if e.get("event") in counts and isinstance(e.get("ids"), list):
+                counts[e["event"]] += len(e["ids"])
+    return counts
+
+
+def _filter_totals(run_dir: Path) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        for k, v in r.items():
+            if (k.startswith("filter/") or k == "env/failed_groups") and isinstance(v, (int, float)):
+                totals[k] = totals.get(k, 0) + v
+    return totals
 
 
 def _speculative_chart(plt, records: list[dict]):
@@ -89,6 +146,9 @@ def write_report(run_dir: Path, summary: dict) -> Path:
         head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(str(r[c]))}</td>" for c in cols) + "</tr>" for r in stages)
         table += f"</table><h2>Per-stage throughput and idle time</h2><table><tr>{head}</tr>{body}"
+    ledger = "".join(f"<tr><th>groups {html.escape(k)}</th><td>{v}</td></tr>" for k, v in _ledger_counts(run_dir).items())
+    filters = "".join(f"<tr><th>{html.escape(k)}</th><td>{v:g}</td></tr>" for k, v in sorted(_filter_totals(run_dir).items()))
+    table += f"</table><h2>Ledger and filters (whole run)</h2><table>{ledger}{filters}"
     imgs = "".join(f'<img alt="{html.escape(t)}" title="{html.escape(t)}" src="data:image/png;base64,{b}">'
                    for t, b in _curves(run_dir, summary))
     page = (f"<!doctype html><meta charset=utf-8><title>lockstep run report</title>"
