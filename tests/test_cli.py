@@ -26,6 +26,7 @@ def test_cli_surface_is_frozen():
         "check consistency --draft-tokens",
         "serve --help/-h", "serve --host", "serve --port", "serve --db", "serve --storage", "serve --model",
         "serve --ray-address", "serve --no-worker", "serve --max-body-mb", "serve --job-slots", "serve --policy",
+        "serve --alerts", "serve --alert-webhook",
         "worker --help/-h", "worker --db", "worker --storage", "worker --model", "worker --ray-address",
         "worker --persist-every", "worker --job-slots", "worker --policy",
         # the worker's bounds, on `worker` and on `serve` (for the worker it starts)

@@ -4,6 +4,7 @@ The store's numbers are checked against rows written here as a worker would writ
 finished at known times), on SQLite and PostgreSQL (the latency is computed in SQL, per dialect)."""
 
 import datetime as dt
+import json
 import re
 import uuid
 
@@ -211,3 +212,78 @@ def test_the_service_page_shows_the_callers_share_in_a_browser(tmp_path):
     finally:
         driver.quit()
         server.should_exit = True
+
+
+def test_the_service_health_record_and_its_shipped_rules(tmp_path):
+    from lockstep.monitor.alerts import SERVICE_RULES, AlertEngine, load_rules
+    from lockstep.service.db import Job
+    from lockstep.service.service_metrics import service_record
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    _, sessions = connect(url)
+    recent = now() - dt.timedelta(seconds=30)
+    with sessions() as s:
+        alice, _ = create_tenant(s, "alice")
+        rows = [_row(alice.id, "sample", "done" if i % 4 else "failed", i, queued_s=0.1, took_s=0.5) for i in range(1, 9)]
+        for r in rows:
+            r.created_at = recent
+            r.claimed_at, r.finished_at = recent + dt.timedelta(seconds=0.1), recent + dt.timedelta(seconds=0.5)
+        s.add_all([*rows, _row(alice.id, "sample", "queued", 9)])
+        s.add(Job(id="a" * 16, tenant_id=alice.id, name="j", spec={}, state="running", attempts=3))
+        s.commit()
+    record = service_record(sessions)
+    assert record["requests/error_rate"] == 0.25 and record["requests/finished_last_5m"] == 8
+    assert record["requests/queued"] == 1 and record["jobs/max_attempts"] == 3 and record["workers/live"] == 0
+    clock = Clock()
+    engine = AlertEngine(tmp_path / "alerts", load_rules(None, default=SERVICE_RULES), clock=clock)
+    (tmp_path / "alerts").mkdir()
+    assert {e["rule"] for e in engine.check([record])} == {"job_retried_too_often"}
+    clock.t += 61
+    assert {e["rule"] for e in engine.check([record])} == {"no_workers"}
+    clock.t += 240
+    assert {e["rule"] for e in engine.check([record])} == {"error_rate"}
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_serve_posts_its_alerts_to_a_webhook(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_alerts import Receiver
+    from test_service_sdk import free_port
+
+    receiver = Receiver()
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rule]]\nname = "no_workers_now"\nmetric = "workers/live"\ncondition = "<"\nthreshold = 1\n'
+                     'severity = "critical"\n')
+    env = {**os.environ, "LOCKSTEP_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "serve", "--no-worker", "--port", str(free_port()),
+                             "--db", f"sqlite:///{tmp_path / 'db.sqlite'}", "--storage", str(tmp_path / "storage"),
+                             "--alerts", str(rules), "--alert-webhook", receiver.url],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while not receiver.events and time.time() < deadline:
+            time.sleep(0.2)
+        assert [(e["rule"], e["status"], e["value"]) for e in receiver.events] == [("no_workers_now", "firing", 0.0)]
+        written = (tmp_path / "home" / "service" / "alerts.jsonl").read_text().splitlines()
+        assert [json.loads(x)["rule"] for x in written] == ["no_workers_now"]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        receiver.close()
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[rule]]\nname = "x"\nmetric = "workers/live"\ncondition = "below"\n')
+    out = subprocess.run([sys.executable, "-m", "lockstep.cli", "serve", "--no-worker", "--alerts", str(bad)],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "rule 0 ('x'): field 'condition' must be one of" in out.stdout + out.stderr

@@ -245,11 +245,18 @@ def _cmd_serve(args) -> int:
     from lockstep.service.serve import default_db, default_storage, parse_models, run_api, worker_argv
 
     policy = _load_policy(args.policy)
+    if args.alerts or args.alert_webhook:  # a malformed rule file fails here, before anything starts
+        from lockstep.monitor import alerts
+
+        alerts.load_rules(args.alerts, default=alerts.SERVICE_RULES)
+        if args.alert_webhook:
+            alerts.Webhook(args.alert_webhook)
     worker = None if args.no_worker else [*(f"--model={m}" for m in args.model or ()), *worker_argv(args),
                                           *(["--policy", str(Path(args.policy).resolve())] if args.policy else [])]
     parse_models(args.model)
     return run_api(host=args.host, port=args.port, db=args.db or default_db(), storage=args.storage or default_storage(),
-                   max_body_mb=args.max_body_mb, worker_args=worker, policy=policy)
+                   max_body_mb=args.max_body_mb, worker_args=worker, policy=policy, alert_rules=args.alerts,
+                   alert_webhook=args.alert_webhook)
 
 
 def _cmd_worker(args) -> int:
@@ -507,6 +514,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-mb", type=int, default=32, help="largest request body accepted")
     serve.add_argument("--policy", metavar="FILE", help="job policy TOML: caps, allowed env modules, per-tenant "
                                                         "overrides (default: safe built-in caps, built-in envs only)")
+    serve.add_argument("--alerts", metavar="FILE", help="the service's alert rules TOML (default: the shipped "
+                                                        "src/lockstep/monitor/service_alerts.toml)")
+    serve.add_argument("--alert-webhook", metavar="URL", help="POST the service's alerts to URL as JSON (and "
+                                                              "$LOCKSTEP_HOME/service/alerts.jsonl)")
     from lockstep.service.serve import add_worker_options
 
     add_worker_options(serve.add_argument_group("its worker"))

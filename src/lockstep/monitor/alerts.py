@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 CONDITIONS = (">", ">=", "<", "<=", "below_peak_fraction", "unchanged")
 SEVERITIES = ("info", "warning", "critical")
 DEFAULT_RULES = Path(__file__).with_name("default_alerts.toml")
+SERVICE_RULES = Path(__file__).with_name("service_alerts.toml")
 
 
 class AlertConfigError(ConfigError):
@@ -104,9 +105,9 @@ def _rule(t: dict, where: str) -> AlertRule:
     return AlertRule(**{**t, "threshold": float(t.get("threshold", 0.0)), "for_s": float(t.get("for_s", 0.0))})
 
 
-def load_rules(path: str | Path | None = None) -> list[AlertRule]:
-    """The rules in `path`, or the shipped defaults."""
-    path = Path(path) if path else DEFAULT_RULES
+def load_rules(path: str | Path | None = None, default: Path = DEFAULT_RULES) -> list[AlertRule]:
+    """The rules in `path`, or the shipped defaults (a run's, or SERVICE_RULES)."""
+    path = Path(path) if path else default
     try:
         text = path.read_text()
     except OSError as e:
@@ -182,7 +183,8 @@ class _State:
 
 
 class AlertEngine:
-    """Evaluates rules against a run's metrics.jsonl; `check()` once per evaluation interval."""
+    """Evaluates rules against a run's metrics.jsonl (or records handed to `check`: the service's
+    numbers); `check()` once per evaluation interval. Events go to `run_dir`/alerts.jsonl."""
 
     def __init__(self, run_dir: Path, rules: list[AlertRule], webhook: Webhook | None = None, *, clock=time.time):
         self.run_dir, self.rules, self.webhook, self.clock = Path(run_dir), rules, webhook, clock
@@ -191,10 +193,11 @@ class AlertEngine:
         self.states = {r.name: _State(changed_at=now) for r in rules}
         self.firing: set[str] = set()
 
-    def check(self) -> list[dict]:
-        """Read new records, update every rule; return the events (firing, resolved) raised now."""
+    def check(self, records: list[dict] | None = None) -> list[dict]:
+        """Take new records (read from metrics.jsonl unless given), update every rule; return the
+        events (firing, resolved) raised now."""
         now = self.clock()
-        records = self.file.refresh()
+        records = self.file.refresh() if records is None else records
         events = []
         for rule in self.rules:
             st = self.states[rule.name]
@@ -241,16 +244,18 @@ class AlertEngine:
             self.webhook.send(event)
 
 
-def watch(run_dir: Path, rules: list[AlertRule], webhook: Webhook | None, every_s: float = 2.0) -> AlertEngine:
-    """Evaluate `rules` every `every_s` seconds from a daemon thread, for as long as the process runs."""
+def watch(run_dir: Path, rules: list[AlertRule], webhook: Webhook | None, every_s: float = 2.0,
+          source=None) -> AlertEngine:
+    """Evaluate `rules` every `every_s` seconds from a daemon thread, for as long as the process
+    runs: over the run's metrics.jsonl, or over `source()`'s record each time (the service)."""
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     engine = AlertEngine(run_dir, rules, webhook)
 
     def loop():
         while True:
             try:
-                engine.check()
-            except Exception:  # noqa: BLE001 - alerting never stops the run
+                engine.check(None if source is None else [source()])
+            except Exception:  # noqa: BLE001 - alerting never stops the run or the service
                 log.warning("alert evaluation failed", exc_info=True)
             time.sleep(every_s)
 

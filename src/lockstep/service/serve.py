@@ -109,8 +109,23 @@ def _exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def start_alerts(db: str, rules_path: str | None, webhook_url: str | None) -> None:
+    """Evaluate the service's alert rules every 10 s over its health record (service_metrics.py);
+    events go to $LOCKSTEP_HOME/service/alerts.jsonl and to the webhook."""
+    from lockstep.monitor import alerts
+    from lockstep.service.db import connect
+    from lockstep.service.service_metrics import service_record
+
+    rules = alerts.load_rules(rules_path, default=alerts.SERVICE_RULES)
+    webhook = alerts.Webhook(webhook_url) if webhook_url else None
+    _, sessions = connect(db)
+    alerts.watch(service_home(), rules, webhook, every_s=10.0, source=lambda: service_record(sessions))
+    log.info("service alerts: %d rules -> %s%s", len(rules), service_home() / "alerts.jsonl",
+             f" and {webhook_url}" if webhook_url else "")
+
+
 def run_api(*, host: str, port: int, db: str, storage: str, max_body_mb: int, worker_args: list | None,
-            policy=None) -> int:
+            policy=None, alert_rules: str | None = None, alert_webhook: str | None = None) -> int:
     import uvicorn
 
     from lockstep import raylocal
@@ -120,6 +135,8 @@ def run_api(*, host: str, port: int, db: str, storage: str, max_body_mb: int, wo
     app = create_app(ServiceConfig(db_url=db, storage_url=storage, max_body_bytes=max_body_mb * 1024 * 1024,
                                    policy=policy, operator_token=os.environ.get("LOCKSTEP_OPERATOR_TOKEN") or None))
     _exit_on_sigterm()
+    if alert_rules or alert_webhook:
+        start_alerts(db, alert_rules, alert_webhook)
     child = None
     if worker_args is not None:
         raylocal.guard()  # the worker, and all it starts, die with this process
