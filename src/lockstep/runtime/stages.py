@@ -199,11 +199,10 @@ class Run(RunDirectory):
         record.update(router_record(metrics))
         return record
 
-    def _speculative_record(self, state: dict) -> dict:
+    def _speculative_record(self, state: dict, gen: dict) -> dict:
         """The generator's speculative-decoding counters since the last step (none when it is off)."""
         if self.spec.rollout.speculative.drafter == "off":
             return {}
-        gen = self.c.stat("generator")
         now = gen["speculative"]
         last, state["spec"] = state.get("spec") or {k: 0 for k in now}, now
         d = {k: now[k] - last.get(k, 0) for k in now}
@@ -241,7 +240,9 @@ class Run(RunDirectory):
             self.pos["global_step"] += 1
             self.pos["stage_step"], self.pos["stage_elapsed"] = step, time.time() - started
             record = self._rl_record(index, batch, metrics, counts, now - state["last"])
-            record.update(self._speculative_record(state))
+            gen = self.c.stat("generator")
+            record.update({"policy/trainer_version": self.c.version, "policy/generator_version": gen["version"]})
+            record.update(self._speculative_record(state, gen))
             self.c.stats["tokens/trained"] += sum(len(g.prompt) + len(x.tokens) for g in batch for x in g.samples)
             state["last"] = now
             self.metrics.log(self.pos["global_step"], record)
