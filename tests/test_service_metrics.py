@@ -185,8 +185,10 @@ def test_the_service_page_shows_the_callers_share_in_a_browser(tmp_path):
     server = uvicorn.Server(uvicorn.Config(create_app(ServiceConfig(db_url=url, storage_url=str(tmp_path / "s"))),
                                            host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
         time.sleep(0.05)
+    assert server.started
     driver = _browser()
     try:
         driver.get(f"http://127.0.0.1:{port}/ui")
@@ -207,8 +209,10 @@ def test_the_service_page_shows_the_callers_share_in_a_browser(tmp_path):
                 for tr in driver.find_elements("css selector", "#service tr")}
         assert rows["workers live"] == "1" and rows["requests queued"] == "0"
         assert "alice" in driver.find_element("id", "tenant").text
-        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and "401" not in e["message"]]
-        assert errors == [], errors  # (the wrong key's 401 is logged as a failed load: expected)
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and "401" not in e["message"]
+                  and "/v1/operator/overview" not in e["message"]]
+        assert errors == [], errors  # (the wrong key's 401, and the page then trying it as the operator's token
+        # on a server without one, a 404, are logged as failed loads: expected)
     finally:
         driver.quit()
         server.should_exit = True
@@ -287,3 +291,61 @@ def test_serve_posts_its_alerts_to_a_webhook(tmp_path):
     out = subprocess.run([sys.executable, "-m", "lockstep.cli", "serve", "--no-worker", "--alerts", str(bad)],
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "rule 0 ('x'): field 'condition' must be one of" in out.stdout + out.stderr
+
+
+def test_the_operator_sees_every_tenant_and_only_with_its_token(tmp_path):
+    import threading
+    import time
+
+    import uvicorn
+
+    from lockstep.service.db import Job, JobEvent
+    from test_dashboard import _browser, free_port
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    _, sessions = connect(url)
+    with sessions() as s:
+        alice, key_a = create_tenant(s, "alice")
+        bob, key_b = create_tenant(s, "bob")
+        s.add_all([Job(id="a" * 16, tenant_id=alice.id, name="alices", spec={}, state="running", attempts=1),
+                   Job(id="b" * 16, tenant_id=bob.id, name="bobs", spec={}, state="failed", attempts=3),
+                   _row(bob.id, "sample", "queued", 1), Usage(tenant_id=alice.id, kind="tokens_sampled", amount=64.0)])
+        s.add(JobEvent(job_id="a" * 16, kind="metrics", data={"step": 7, "rollout/reward_mean": 0.5}))
+        s.commit()
+    app = create_app(ServiceConfig(db_url=url, storage_url=str(tmp_path / "s"), operator_token=TOKEN))
+    with TestClient(app) as c:
+        o = c.get("/v1/operator/overview", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        assert [t["tenant"] for t in o["tenants"]] == ["alice", "bob"]
+        assert o["tenants"][1]["jobs"] == {"failed": 1} and o["tenants"][1]["requests_in_flight"] == {"queued": 1}
+        assert o["tenants"][0]["usage"] == {"tokens_sampled": 64.0}
+        assert {(j["tenant"], j["name"]) for j in o["jobs"]} == {("alice", "alices"), ("bob", "bobs")}
+        assert next(j for j in o["jobs"] if j["name"] == "alices")["latest"] == {"step": 7, "rollout/reward_mean": 0.5}
+        assert o["health"]["requests/queued"] == 1 and o["alerts"] == []
+        for headers in ({"Authorization": f"Bearer {key_a}"}, {"X-API-Key": key_a}, {}):
+            assert c.get("/v1/operator/overview", headers=headers).status_code == 401
+        assert c.get("/v1/jobs", headers={"X-API-Key": TOKEN}).status_code == 401  # the token is no tenant key
+    with TestClient(create_app(ServiceConfig(db_url=url, storage_url=str(tmp_path / "s")))) as c:
+        assert c.get("/v1/operator/overview", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 404
+    port = free_port()
+    app = create_app(ServiceConfig(db_url=url, storage_url=str(tmp_path / "s"), operator_token=TOKEN))  # a fresh one
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    driver = _browser()
+    try:
+        driver.get(f"http://127.0.0.1:{port}/ui")
+        driver.find_element("id", "key").send_keys(TOKEN)
+        driver.find_element("css selector", "#signin button").click()
+        deadline = time.time() + 20
+        while not driver.find_elements("id", "tenant-bob") and time.time() < deadline:
+            time.sleep(0.1)
+        assert driver.find_elements("id", "tenant-alice") and driver.find_elements("id", "job-" + "b" * 16)
+        assert "operator" in driver.find_element("id", "tenant").text
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and "401" not in e["message"]]
+        assert errors == [], errors  # (trying the token as a tenant key first logs a 401: expected)
+    finally:
+        driver.quit()
+        server.should_exit = True

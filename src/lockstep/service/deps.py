@@ -40,6 +40,8 @@ class ServiceConfig:
     """num_samples x max_tokens of one sampling request."""
     policy: object = None
     """The operator's job policy (service/policy.py's Policy); None: its safe defaults."""
+    alerts_path: str | None = None
+    """The service's alerts.jsonl (when `serve` evaluates alert rules), shown to the operator."""
     operator_token: str | None = None
     """The operator's bearer token (LOCKSTEP_OPERATOR_TOKEN for `lockstep serve`): GET /metrics
     answers only it; None: /metrics is off."""

@@ -117,14 +117,14 @@ def list_jobs(request: Request, t: Tenant = TENANT, state: JobState | None = Non
         if state:
             q = q.where(Job.state == state.value)
         jobs = list(s.scalars(q.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)))
-        latest = _latest_metrics(s, [j.id for j in jobs])
+        latest = latest_metrics(s, [j.id for j in jobs])
         return {"jobs": [{**_job_json(j), "latest": latest.get(j.id)} for j in reversed(jobs)]}
 
 
 LATEST_KEYS = ("rollout/reward_mean", "rollout/accuracy", "eval/accuracy")
 
 
-def _latest_metrics(s, job_ids: list[str]) -> dict[str, dict]:
+def latest_metrics(s, job_ids: list[str]) -> dict[str, dict]:
     """Each job's newest metrics record, cut to its step and the reward and accuracy keys (two
     queries, whatever the number of jobs)."""
     if not job_ids:

@@ -132,10 +132,12 @@ def run_api(*, host: str, port: int, db: str, storage: str, max_body_mb: int, wo
     from lockstep.service.app import ServiceConfig, create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    alerting = bool(alert_rules or alert_webhook)
     app = create_app(ServiceConfig(db_url=db, storage_url=storage, max_body_bytes=max_body_mb * 1024 * 1024,
-                                   policy=policy, operator_token=os.environ.get("LOCKSTEP_OPERATOR_TOKEN") or None))
+                                   policy=policy, operator_token=os.environ.get("LOCKSTEP_OPERATOR_TOKEN") or None,
+                                   alerts_path=str(service_home() / "alerts.jsonl") if alerting else None))
     _exit_on_sigterm()
-    if alert_rules or alert_webhook:
+    if alerting:
         start_alerts(db, alert_rules, alert_webhook)
     child = None
     if worker_args is not None:
