@@ -71,9 +71,11 @@ def test_run_writes_a_complete_run_directory(tmp_path, builtin_dir, staleness):
     assert all(0 <= r["rollout/staleness_max"] <= staleness for r in rl)  # the bound holds
     for key in ("rollout/turns_mean", "filter/zero_variance", "filter/truncated", "filter/stale", "filter/repetitive", "env/failed_groups",
                 "time/step_s", "train/entropy", "throughput/samples_per_s", "throughput/sampled_tokens_per_s",
-                "mismatch/abs", "mismatch/k3_kl", "mismatch/ess", "queue/in_flight_batches", "queue/replay_groups"):
+                "mismatch/abs", "mismatch/abs_max", "mismatch/k3_kl", "mismatch/ess", "queue/in_flight_batches",
+                "queue/replay_groups", "policy/trainer_version", "policy/generator_version"):
         assert key in rl[0], key
-    assert all(r["train/entropy"] > 0 for r in rl)
+    assert all(r["train/entropy"] > 0 and r["mismatch/abs_max"] >= r["mismatch/abs"] for r in rl)
+    assert all(0 <= r["policy/trainer_version"] - r["policy/generator_version"] <= staleness + 1 for r in rl)
     evals = [r for r in records(d) if "eval/accuracy" in r]
     assert evals and any("eval/pass@4" in r for r in evals)
     for r in rl:  # the staleness histogram covers every trained sample, within the bound

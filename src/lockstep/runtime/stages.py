@@ -194,8 +194,11 @@ class Run(RunDirectory):
                   **counts}
         record.update({f"loss/{k.split(':')[0]}": v for k, v in metrics.items()
                        if k.split(":")[0] in ("importance_ratio", "clip_fraction")})
-        record.update({f"mismatch/{k.split(':')[0].removeprefix('mismatch_')}": v for k, v in metrics.items()
-                       if k.startswith("mismatch_")})
+        # The mismatch panel: mismatch/abs (mean |Δlogp|), abs_max, k3_kl, ess; masked_fraction with MIS.
+        record.update({"mismatch/" + k.split(":")[0].removeprefix("mismatch_") + ("_max" if k.endswith(":max") else ""): v
+                       for k, v in metrics.items() if k.startswith("mismatch_")})
+        if "mis_masked_fraction:mean" in metrics:
+            record["mismatch/masked_fraction"] = metrics["mis_masked_fraction:mean"]
         record.update(router_record(metrics))
         return record
 
