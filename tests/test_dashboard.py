@@ -183,3 +183,51 @@ def test_a_running_runs_page_updates_live_in_a_browser(tmp_path, builtin_dir):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_a_directory_of_runs_lists_them_and_serves_each_page(tmp_path):
+    """`lockstep dashboard runs/`: the runs with their step, reward, accuracy and firing alerts, each
+    one's page under /runs/NAME/; a name outside the directory is a 404."""
+    from lockstep.monitor import dashboard
+
+    for name, reward in (("a", 0.25), ("b", 0.5)):
+        d = tmp_path / "runs" / name
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+        log = MetricsLogger(d, tensorboard=False)
+        log.log(1, {"rollout/reward_mean": reward / 2})
+        log.log(2, {"rollout/reward_mean": reward, "eval/accuracy": 0.1})
+        log.close()
+    (tmp_path / "runs" / "b" / "alerts.jsonl").write_text(json.dumps({"rule": "r", "status": "firing"}) + "\n")
+    (tmp_path / "runs" / "not-a-run").mkdir()
+    port = free_port()
+    server = dashboard.serve(tmp_path / "runs", port, background=True)
+    deadline = time.time() + 20
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        runs = httpx.get(f"{url}/api/runs").json()["runs"]
+        assert [(r["name"], r["step"], r["rollout_reward_mean"], r["alerts_firing"]) for r in runs] == [
+            ("a", 2, 0.25, []), ("b", 2, 0.5, ["r"])]
+        assert [x["rollout/reward_mean"] for x in httpx.get(f"{url}/runs/b/api/run").json()["records"]] == [0.25, 0.5]
+        for bad in ("not-a-run", "..", "%2E%2E", "c"):
+            assert httpx.get(f"{url}/runs/{bad}/api/run").status_code == 404, bad
+        driver = _browser()
+        try:
+            driver.get(url + "/")
+            while not driver.find_elements("id", "run-a") and time.time() < deadline + 20:
+                time.sleep(0.1)
+            driver.find_element("css selector", "#run-a a").click()
+            end = time.time() + 20
+            points = 0
+            while points < 2 and time.time() < end:
+                points = driver.execute_script(
+                    "const d = document.getElementById('chart-reward').data; return d && d.length ? d[0].x.length : 0")
+                time.sleep(0.1)
+            assert points == 2 and driver.current_url == f"{url}/runs/a/"
+            assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
+        finally:
+            driver.quit()
+    finally:
+        server.should_exit = True

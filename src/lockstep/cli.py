@@ -484,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--alert-webhook", metavar="URL", help="POST alerts (firing and resolved) to URL as JSON; "
                                                             "with --alerts or this, alerts also go to RUN_DIR/alerts.jsonl")
     run.set_defaults(func=_cmd_run)
-    dash = sub.add_parser("dashboard", help="a run's live page in the browser")
+    dash = sub.add_parser("dashboard", help="a run's live page in the browser (or a list of a directory's runs)")
     dash.add_argument("run_dir", metavar="RUN_DIR")
     dash.add_argument("--port", type=int, default=DASHBOARD_PORT, help=f"port on 127.0.0.1 (default {DASHBOARD_PORT})")
     dash.set_defaults(func=_cmd_dashboard)

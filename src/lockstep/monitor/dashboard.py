@@ -17,6 +17,7 @@ from pathlib import Path
 from lockstep.monitor.runfile import MetricsFile
 
 PAGE = Path(__file__).with_name("dashboard.html")
+RUNS_PAGE = Path(__file__).with_name("runs.html")
 ARTIFACTS = {"report.html": "text/html", "summary.json": "application/json", "metrics.jsonl": "application/x-ndjson",
              "config.json": "application/json", "alerts.jsonl": "application/x-ndjson",
              "trace.jsonl": "application/x-ndjson", "ledger.jsonl": "application/x-ndjson"}
@@ -103,56 +104,108 @@ class RunView:
                 "artifacts": [a for a in ARTIFACTS if (self.dir / a).is_file()]}
 
 
-def create_app(run_dir: Path):
+def is_run_dir(path: Path) -> bool:
+    return (Path(path) / "config.json").is_file() or (Path(path) / "metrics.jsonl").is_file()
+
+
+def create_app(path: Path):
+    """The page of the run in `path`; or, for a directory of runs (`runs/`), a list of them at /
+    and each one's page at /runs/NAME/ (runs that appear later are listed too)."""
     from fastapi import FastAPI, HTTPException
-    from fastapi.responses import FileResponse, HTMLResponse, StreamingResponse
+    from fastapi.responses import FileResponse, HTMLResponse
 
-    view = RunView(run_dir)
+    path = Path(path)
     app = FastAPI(title="lockstep dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+    views: dict[str, RunView] = {}
 
-    @app.get("/", response_class=HTMLResponse)
-    def page():
-        return PAGE.read_text()
+    def view_of(name: str) -> RunView:
+        run = path / name
+        if "/" in name or name.startswith(".") or not run.is_dir() or not is_run_dir(run):
+            raise HTTPException(404, f"no run {name!r} in {path}")
+        if name not in views:
+            views[name] = RunView(run)
+        return views[name]
 
     @app.get("/static/plotly.min.js")
     def plotly():
         return FileResponse(plotly_js(), media_type="text/javascript")
 
-    @app.get("/api/run")
-    def run_state():
-        view.refresh()
-        return {**view.state(), "records": view.records, "alerts_seen": len(view.alerts), "generation": view.generation}
+    if is_run_dir(path) or not path.is_dir():
+        view = RunView(path)
+        _run_routes(app, "", lambda name=None: view)
+        app.state.view = view
+        return app
 
-    @app.get("/api/events")
-    async def events(after: int = 0, alerts_after: int = 0):
+    @app.get("/", response_class=HTMLResponse)
+    def index():
+        return RUNS_PAGE.read_text()
+
+    @app.get("/api/runs")
+    def runs():
+        out = []
+        for run in sorted((p for p in path.iterdir() if p.is_dir() and is_run_dir(p)), key=lambda p: p.stat().st_mtime):
+            v = view_of(run.name)
+            v.refresh()
+            last = {k: v.metrics.latest.get(k) for k in ("rollout/reward_mean", "eval/accuracy") if k in v.metrics.latest}
+            status = {a.get("rule"): a.get("status") for a in v.alerts}  # each rule's latest event
+            out.append({"name": run.name, "step": v.metrics.step, "finished": (run / "summary.json").is_file(),
+                        "alerts_firing": sorted(r for r, st in status.items() if st == "firing"),
+                        **{k.replace("/", "_"): x for k, x in last.items()}})
+        return {"runs": out}
+
+    _run_routes(app, "/runs/{name}", view_of)
+    return app
+
+
+def _run_routes(app, prefix: str, view_for) -> None:
+    """A run's page and API under `prefix` (a `{name}` in it selects the run)."""
+    from fastapi import HTTPException
+    from fastapi.responses import FileResponse, HTMLResponse, StreamingResponse
+
+    def view(name: str | None):
+        return view_for(name)
+
+    @app.get(prefix + "/", response_class=HTMLResponse)
+    def page(name: str | None = None):
+        view(name)
+        return PAGE.read_text()
+
+    @app.get(prefix + "/api/run")
+    def run_state(name: str | None = None):
+        v = view(name)
+        v.refresh()
+        return {**v.state(), "records": v.records, "alerts_seen": len(v.alerts), "generation": v.generation}
+
+    @app.get(prefix + "/api/events")
+    async def events(name: str | None = None, after: int = 0, alerts_after: int = 0):
         """Records past the first `after` (and alerts past `alerts_after`) as they are written:
         each page keeps its own place, so none is missed or sent twice."""
+        v = view(name)
+
         async def stream():
-            generation, sent, sent_alerts = view.generation, max(after, 0), max(alerts_after, 0)
+            generation, sent, sent_alerts = v.generation, max(after, 0), max(alerts_after, 0)
             yield "retry: 1000\n\n"
             while True:
-                await asyncio.to_thread(view.refresh)
-                if view.generation != generation:
-                    generation, sent, sent_alerts = view.generation, 0, 0
+                await asyncio.to_thread(v.refresh)
+                if v.generation != generation:
+                    generation, sent, sent_alerts = v.generation, 0, 0
                     yield "event: reset\ndata: {}\n\n"
-                new, alerts = view.records[sent:], view.alerts[sent_alerts:]
+                new, alerts = v.records[sent:], v.alerts[sent_alerts:]
                 sent, sent_alerts = sent + len(new), sent_alerts + len(alerts)
                 for r in new:
                     yield f"event: record\ndata: {json.dumps(r)}\n\n"
                 if new or alerts:
-                    yield f"event: state\ndata: {json.dumps(view.state())}\n\n"
+                    yield f"event: state\ndata: {json.dumps(v.state())}\n\n"
                 await asyncio.sleep(POLL_S)
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    @app.get("/artifacts/{name}")
-    def artifact(name: str):
-        if name not in ARTIFACTS or not (view.dir / name).is_file():
-            raise HTTPException(404, f"no artifact {name!r} in this run (known: {', '.join(ARTIFACTS)})")
-        return FileResponse(view.dir / name, media_type=ARTIFACTS[name])
-
-    app.state.view = view
-    return app
+    @app.get(prefix + "/artifacts/{artifact}")
+    def artifact(artifact: str, name: str | None = None):
+        v = view(name)
+        if artifact not in ARTIFACTS or not (v.dir / artifact).is_file():
+            raise HTTPException(404, f"no artifact {artifact!r} in this run (known: {', '.join(ARTIFACTS)})")
+        return FileResponse(v.dir / artifact, media_type=ARTIFACTS[artifact])
 
 
 def serve(run_dir: Path, port: int, host: str = "127.0.0.1", *, background: bool = False):
