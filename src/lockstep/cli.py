@@ -150,7 +150,7 @@ def _cmd_run(args) -> int:
 
         _check_port(args.dashboard, "--dashboard")
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        dashboard.serve(Path(run_dir), args.dashboard, background=True)
+        dashboard.serve(Path(run_dir), args.dashboard, background=True, single=True)
         console.print(f"dashboard: http://127.0.0.1:{args.dashboard}/")
     if args.alerts or args.alert_webhook:
         from lockstep.monitor import alerts

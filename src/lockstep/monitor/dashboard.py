@@ -108,9 +108,10 @@ def is_run_dir(path: Path) -> bool:
     return (Path(path) / "config.json").is_file() or (Path(path) / "metrics.jsonl").is_file()
 
 
-def create_app(path: Path):
+def create_app(path: Path, *, single: bool | None = None):
     """The page of the run in `path`; or, for a directory of runs (`runs/`), a list of them at /
-    and each one's page at /runs/NAME/ (runs that appear later are listed too)."""
+    and each one's page at /runs/NAME/ (runs that appear later are listed too). `single` None:
+    a directory of runs when `path` is no run itself and holds one."""
     from fastapi import FastAPI, HTTPException
     from fastapi.responses import FileResponse, HTMLResponse
 
@@ -130,7 +131,9 @@ def create_app(path: Path):
     def plotly():
         return FileResponse(plotly_js(), media_type="text/javascript")
 
-    if is_run_dir(path) or not path.is_dir():
+    if single is None:
+        single = is_run_dir(path) or not (path.is_dir() and any(p.is_dir() and is_run_dir(p) for p in path.iterdir()))
+    if single:
         view = RunView(path)
         _run_routes(app, "", lambda name=None: view)
         app.state.view = view
@@ -208,12 +211,12 @@ def _run_routes(app, prefix: str, view_for) -> None:
         return FileResponse(v.dir / artifact, media_type=ARTIFACTS[artifact])
 
 
-def serve(run_dir: Path, port: int, host: str = "127.0.0.1", *, background: bool = False):
+def serve(run_dir: Path, port: int, host: str = "127.0.0.1", *, background: bool = False, single: bool | None = None):
     """Serve the dashboard (blocking, or from a daemon thread with `background`); returns the
     uvicorn server."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(create_app(run_dir), host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(run_dir, single=single), host=host, port=port, log_level="warning"))
     if background:  # (uvicorn installs signal handlers only in the main thread: the run keeps its own)
         threading.Thread(target=server.run, name="dashboard", daemon=True).start()
     else:
