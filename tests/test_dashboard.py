@@ -91,6 +91,17 @@ def test_new_records_stream_to_a_page_within_two_seconds(served):
     assert time.time() - written["at"] < 2.0
 
 
+def wait_for(pred, what, timeout=180):
+    """pred()'s first true value, polled every 0.2 s."""
+    end = time.time() + timeout
+    while time.time() < end:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def _browser():
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not (chromium and driver):
@@ -136,15 +147,6 @@ def test_a_running_runs_page_updates_live_in_a_browser(tmp_path, builtin_dir):
         def points():
             return driver.execute_script(
                 "const d = document.getElementById('chart-reward').data; return d && d.length ? d[0].x.length : 0")
-
-        def wait_for(pred, what, timeout=180):
-            end = time.time() + timeout
-            while time.time() < end:
-                value = pred()
-                if value:
-                    return value
-                time.sleep(0.2)
-            raise AssertionError(f"timed out waiting for {what}")
 
         first = wait_for(lambda: points() >= 2 and points(), "two points on the reward curve")
         wait_for(lambda: points() > first, "the reward curve to grow as steps arrive")

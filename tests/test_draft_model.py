@@ -16,19 +16,9 @@ from lockstep.engine.loading import load_model
 from lockstep.engine.model import InvariantLM
 from lockstep.engine.sampler import Sampler
 from lockstep.engine.tiny import save_model_dir, tiny_config
-from lockstep.engine.types import EngineError, SampleRequest, SamplingParams
+from lockstep.engine.types import EngineError
 from test_sampler import WeightSwap, trainer_logprobs
-
-
-@pytest.fixture(scope="module")
-def model_tok(qwen2_dir):
-    hf, tok = load_model(qwen2_dir)
-    return InvariantLM(hf), tok
-
-
-def _requests(tok, n_prompts=6, samples=4, **params):
-    return [SampleRequest(tuple(tok.encode(f"{i * 37 % 1000}+{i * 91 % 1000}=")),
-                          SamplingParams(seed=i, **params), num_samples=samples) for i in range(n_prompts)]
+from test_speculative import _requests, model_tok  # noqa: F401 - model_tok is a fixture
 
 
 def _drafter(model, tok, **options):

@@ -254,7 +254,7 @@ def test_a_jobs_page_updates_live_in_a_browser_and_stays_its_tenants(service, tm
     """/ui: alice signs in with her key, finds her running job and opens its page; the reward curve
     grows as steps arrive, the pipeline panel ends equal to the job's metrics.jsonl, the console
     stays clean; bob, signed in with his key, cannot see the job, by the list or by its URL."""
-    from test_dashboard import _browser
+    from test_dashboard import _browser, wait_for
 
     job_id = submit(service, "alice", "rl.steps=12", "rl.prompts_per_step=2", name="watched")
     driver = _browser()
@@ -295,12 +295,3 @@ def test_a_jobs_page_updates_live_in_a_browser_and_stays_its_tenants(service, tm
     finally:
         driver.quit()
 
-
-def wait_for(pred, what, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")

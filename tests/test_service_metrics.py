@@ -30,6 +30,25 @@ def scrape(client, token=TOKEN) -> dict:
             for fam in text_string_to_metric_families(r.text) for s in fam.samples}
 
 
+def serve_in_thread(app) -> tuple[int, object]:
+    """(port, uvicorn server) for `app` served from a daemon thread, once it is up."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from test_dashboard import free_port
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    return port, server
+
+
 def _row(tenant_id, kind, state, order, *, queued_s=None, took_s=None, worker=None):
     t0 = now().replace(microsecond=0) - dt.timedelta(hours=1)
     return RequestRow(id=uuid.uuid4().hex, tenant_id=tenant_id, kind=kind, payload=b"{}", payload_sha="0" * 64,
@@ -167,12 +186,9 @@ def test_stats_give_the_callers_latency_percentiles_and_nothing_of_others(tmp_pa
 
 
 def test_the_service_page_shows_the_callers_share_in_a_browser(tmp_path):
-    import threading
     import time
 
-    import uvicorn
-
-    from test_dashboard import _browser, free_port
+    from test_dashboard import _browser
 
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
     _, sessions = connect(url)
@@ -181,14 +197,7 @@ def test_the_service_page_shows_the_callers_share_in_a_browser(tmp_path):
         s.add_all([_row(alice.id, "sample", "done", i, queued_s=i / 10, took_s=float(i), worker="w1") for i in range(1, 101)])
         s.add(Endpoint(id="w1", role="worker", host="127.0.0.1", port=1))
         s.commit()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(ServiceConfig(db_url=url, storage_url=str(tmp_path / "s"))),
-                                           host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert server.started
+    port, server = serve_in_thread(create_app(ServiceConfig(db_url=url, storage_url=str(tmp_path / "s"))))
     driver = _browser()
     try:
         driver.get(f"http://127.0.0.1:{port}/ui")
@@ -294,13 +303,10 @@ def test_serve_posts_its_alerts_to_a_webhook(tmp_path):
 
 
 def test_the_operator_sees_every_tenant_and_only_with_its_token(tmp_path):
-    import threading
     import time
 
-    import uvicorn
-
     from lockstep.service.db import Job, JobEvent
-    from test_dashboard import _browser, free_port
+    from test_dashboard import _browser
 
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
     _, sessions = connect(url)
@@ -326,14 +332,8 @@ def test_the_operator_sees_every_tenant_and_only_with_its_token(tmp_path):
         assert c.get("/v1/jobs", headers={"X-API-Key": TOKEN}).status_code == 401  # the token is no tenant key
     with TestClient(create_app(ServiceConfig(db_url=url, storage_url=str(tmp_path / "s")))) as c:
         assert c.get("/v1/operator/overview", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 404
-    port = free_port()
-    app = create_app(ServiceConfig(db_url=url, storage_url=str(tmp_path / "s"), operator_token=TOKEN))  # a fresh one
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert server.started
+    port, server = serve_in_thread(create_app(ServiceConfig(db_url=url, storage_url=str(tmp_path / "s"),
+                                                            operator_token=TOKEN)))  # a fresh app: that one has run
     driver = _browser()
     try:
         driver.get(f"http://127.0.0.1:{port}/ui")

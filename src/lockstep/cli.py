@@ -111,8 +111,7 @@ def _serve_metrics(run_dir: Path, port: int) -> None:
     from lockstep.config import ConfigError
     from lockstep.monitor.prometheus import serve_run_metrics
 
-    if not 1 <= port <= 65535:
-        raise ConfigError(f"--metrics-port {port}: expected a TCP port in [1, 65535]")
+    _check_port(port, "--metrics-port")
     try:
         serve_run_metrics(run_dir, port)
     except OSError as e:

@@ -14,14 +14,13 @@ import json
 import threading
 from pathlib import Path
 
-from lockstep.monitor.runfile import MetricsFile
+from lockstep.monitor.runfile import LEDGER_EVENTS, JsonLines, MetricsFile, ledger_counts
 
 PAGE = Path(__file__).with_name("dashboard.html")
 RUNS_PAGE = Path(__file__).with_name("runs.html")
 ARTIFACTS = {"report.html": "text/html", "summary.json": "application/json", "metrics.jsonl": "application/x-ndjson",
              "config.json": "application/json", "alerts.jsonl": "application/x-ndjson",
              "trace.jsonl": "application/x-ndjson", "ledger.jsonl": "application/x-ndjson"}
-LEDGER_EVENTS = ("issued", "generated", "rewarded", "trained", "filtered")
 POLL_S = 0.5
 
 
@@ -29,33 +28,6 @@ def plotly_js() -> Path:
     import plotly
 
     return Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
-
-
-class JsonLines:
-    """A JSON-lines file read incrementally, complete lines only (the writer may be mid-line)."""
-
-    def __init__(self, path: Path):
-        self.path, self._offset = Path(path), 0
-
-    def new(self) -> list[dict]:
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            return []
-        if size < self._offset:
-            self._offset = 0
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            chunk = f.read(size - self._offset)
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        self._offset += len(complete)
-        out = []
-        for line in complete.splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-        return out
 
 
 class RunView:
@@ -83,9 +55,7 @@ class RunView:
             self.records += new
             alerts = self._alerts.new()
             self.alerts += alerts
-            for e in self._ledger.new():
-                if e.get("event") in self.ledger and isinstance(e.get("ids"), list):
-                    self.ledger[e["event"]] += len(e["ids"])
+            ledger_counts(self._ledger.new(), self.ledger)
             return new, alerts
 
     def state(self) -> dict:

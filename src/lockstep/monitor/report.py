@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 from pathlib import Path
 
 
@@ -17,14 +16,13 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _curves(run_dir: Path, summary: dict) -> list[tuple[str, str]]:
+def _curves(run_dir: Path, summary: dict, records: list[dict]) -> list[tuple[str, str]]:
     """(title, base64 PNG) of each chart."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     images = []
     fig, ax = plt.subplots(figsize=(6, 3.2))
     evals = summary.get("evals", [])
@@ -80,27 +78,14 @@ def _timeline(plt, spans: list[dict]):
 
 
 def _ledger_counts(run_dir: Path) -> dict[str, int]:
-    counts = {e: 0 for e in ("issued", "generated", "rewarded", "trained", "filtered")}
-    path = run_dir / "ledger.jsonl"
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                e = json.loads(line)
-            except ValueError:
-                continue
-            if e.get("event") in counts and isinstance(e.get("ids"), list):
-                counts[e["event"]] += len(e["ids"])
-    return counts
+    from lockstep.monitor.runfile import JsonLines, ledger_counts
+
+    return ledger_counts(JsonLines(run_dir / "ledger.jsonl").new())
 
 
-def _filter_totals(run_dir: Path) -> dict[str, float]:
+def _filter_totals(records: list[dict]) -> dict[str, float]:
     totals: dict[str, float] = {}
-    path = run_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
+    for r in records:
         for k, v in r.items():
             if (k.startswith("filter/") or k == "env/failed_groups") and isinstance(v, (int, float)):
                 totals[k] = totals.get(k, 0) + v
@@ -146,11 +131,14 @@ def write_report(run_dir: Path, summary: dict) -> Path:
         head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(str(r[c]))}</td>" for c in cols) + "</tr>" for r in stages)
         table += f"</table><h2>Per-stage throughput and idle time</h2><table><tr>{head}</tr>{body}"
+    from lockstep.monitor.runfile import JsonLines
+
+    records = JsonLines(run_dir / "metrics.jsonl").new()
     ledger = "".join(f"<tr><th>groups {html.escape(k)}</th><td>{v}</td></tr>" for k, v in _ledger_counts(run_dir).items())
-    filters = "".join(f"<tr><th>{html.escape(k)}</th><td>{v:g}</td></tr>" for k, v in sorted(_filter_totals(run_dir).items()))
+    filters = "".join(f"<tr><th>{html.escape(k)}</th><td>{v:g}</td></tr>" for k, v in sorted(_filter_totals(records).items()))
     table += f"</table><h2>Ledger and filters (whole run)</h2><table>{ledger}{filters}"
     imgs = "".join(f'<img alt="{html.escape(t)}" title="{html.escape(t)}" src="data:image/png;base64,{b}">'
-                   for t, b in _curves(run_dir, summary))
+                   for t, b in _curves(run_dir, summary, records))
     page = (f"<!doctype html><meta charset=utf-8><title>lockstep run report</title>"
             f"<h1>lockstep run</h1><table>{table}</table>{imgs}")
     path = run_dir / "report.html"

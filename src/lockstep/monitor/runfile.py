@@ -10,12 +10,56 @@ import threading
 from pathlib import Path
 
 
+class JsonLines:
+    """A JSON-lines file read incrementally: each `new()` returns the objects of the lines completed
+    since the last one; `rewrites` counts the times the file was found shorter (rewritten) and
+    read again from its start."""
+
+    def __init__(self, path: Path):
+        self.path, self._offset, self.rewrites = Path(path), 0, 0
+
+    def new(self) -> list[dict]:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return []
+        if size < self._offset:
+            self._offset, self.rewrites = 0, self.rewrites + 1
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            chunk = f.read(size - self._offset)
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a partial last line: the next call
+        self._offset += len(complete)
+        out = []
+        for line in complete.splitlines():
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue  # not a record (a torn write from a crash)
+            if isinstance(obj, dict):
+                out.append(obj)
+        return out
+
+
+def ledger_counts(events: list[dict], counts: dict[str, int] | None = None) -> dict[str, int]:
+    """Groups issued, generated, rewarded, trained and filtered, from ledger.jsonl's events (added
+    to `counts` when given)."""
+    counts = counts if counts is not None else {e: 0 for e in LEDGER_EVENTS}
+    for e in events:
+        if e.get("event") in counts and isinstance(e.get("ids"), list):
+            counts[e["event"]] += len(e["ids"])
+    return counts
+
+
+LEDGER_EVENTS = ("issued", "generated", "rewarded", "trained", "filtered")
+
+
 class MetricsFile:
     """metrics.jsonl read incrementally: the latest value of each key, and the records seen."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._offset = 0
+        self._lines = JsonLines(self.path)
         self._lock = threading.Lock()
         self.latest: dict[str, float] = {}
         self.step = 0
@@ -24,29 +68,17 @@ class MetricsFile:
     def refresh(self) -> list[dict]:
         """Read what was appended since the last call; return its records."""
         with self._lock:
-            try:
-                size = self.path.stat().st_size
-            except FileNotFoundError:
-                return []
-            if size < self._offset:  # rewritten (a resumed run drops the records past its checkpoint)
-                self._offset, self.latest, self.records = 0, {}, 0
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read(size - self._offset)
-            complete = chunk[: chunk.rfind(b"\n") + 1]  # a partial last line: the next call
-            self._offset += len(complete)
-            return [r for r in map(self._take, complete.splitlines()) if r is not None]
+            rewrites = self._lines.rewrites
+            new = self._lines.new()
+            if self._lines.rewrites != rewrites:  # (a resumed run drops the records past its checkpoint)
+                self.latest, self.records = {}, 0
+            for record in new:
+                self._take(record)
+            return new
 
-    def _take(self, line: bytes) -> dict | None:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            return None  # not a record (a torn write from a crash)
-        if not isinstance(record, dict):
-            return None
+    def _take(self, record: dict) -> None:
         self.records += 1
         self.step = int(record.get("step", self.step))
         for k, v in record.items():
             if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 self.latest[k] = float(v)
-        return record

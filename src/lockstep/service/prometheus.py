@@ -14,7 +14,6 @@ equal to LOCKSTEP_OPERATOR_TOKEN, and is off (404) when none is set.
 
 from __future__ import annotations
 
-import datetime as dt
 import hmac
 import time
 
@@ -22,9 +21,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from sqlalchemy import case, func, select
 
-from lockstep.service.db import Endpoint, Job, Tenant, Usage, now
+from lockstep.service.db import Job, Tenant, Usage
 from lockstep.service.db import Request as RequestRow
-from lockstep.service.types import WORKER_LEASE_S, RequestState
+from lockstep.service.service_metrics import busy_workers, live_workers
+from lockstep.service.types import RequestState
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -114,13 +114,8 @@ class StoreCollector:
 
     @staticmethod
     def _workers(s):
-        since = now() - dt.timedelta(seconds=WORKER_LEASE_S)  # a current lease, as /v1/health counts them
-        live = s.scalar(select(func.count()).select_from(Endpoint).where(Endpoint.role == "worker",
-                                                                          Endpoint.last_seen >= since))
-        busy = s.scalar(select(func.count(func.distinct(RequestRow.claimed_by)))
-                        .where(RequestRow.state == RequestState.RUNNING.value))
-        yield GaugeMetricFamily("lockstep_workers", "Workers with a current lease", value=live or 0)
-        yield GaugeMetricFamily("lockstep_workers_busy", "Workers running a request now", value=busy or 0)
+        yield GaugeMetricFamily("lockstep_workers", "Workers with a current lease", value=live_workers(s))
+        yield GaugeMetricFamily("lockstep_workers_busy", "Workers running a request now", value=busy_workers(s))
 
 
 class Metrics:

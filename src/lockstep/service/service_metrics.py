@@ -14,6 +14,18 @@ from lockstep.service.types import WORKER_LEASE_S, JobState, RequestState
 ERROR_WINDOW_S = 300.0
 
 
+def live_workers(s) -> int:
+    """Workers holding a current lease (as /v1/health counts them)."""
+    return s.scalar(select(func.count()).select_from(Endpoint).where(
+        Endpoint.role == "worker", Endpoint.last_seen >= now() - dt.timedelta(seconds=WORKER_LEASE_S))) or 0
+
+
+def busy_workers(s) -> int:
+    """Workers running a request now."""
+    return s.scalar(select(func.count(func.distinct(RequestRow.claimed_by)))
+                    .where(RequestRow.state == RequestState.RUNNING.value)) or 0
+
+
 def service_record(sessions) -> dict:
     at = now()
     with sessions() as s:
@@ -31,6 +43,5 @@ def service_record(sessions) -> dict:
                                           .where(Job.state.in_(live_jobs))),
             "jobs/failed_last_hour": s.scalar(select(func.count()).select_from(Job).where(
                 Job.state == JobState.FAILED.value, Job.finished_at >= at - dt.timedelta(hours=1))),
-            "workers/live": s.scalar(select(func.count()).select_from(Endpoint).where(
-                Endpoint.role == "worker", Endpoint.last_seen >= at - dt.timedelta(seconds=WORKER_LEASE_S))),
+            "workers/live": live_workers(s),
         }

@@ -16,10 +16,11 @@ from fastapi import APIRouter, Depends, Query, Request
 from sqlalchemy import func, select
 
 from lockstep.monitor.trace import chrome_trace
-from lockstep.service.db import Endpoint, Model, SamplingSession, Session, Tenant, now
+from lockstep.service.db import Model, SamplingSession, Session, Tenant, now
 from lockstep.service.db import Request as RequestRow
 from lockstep.service.deps import db, tenant_of
-from lockstep.service.types import WORKER_LEASE_S, RequestState
+from lockstep.service.service_metrics import busy_workers, live_workers
+from lockstep.service.types import RequestState
 
 LATENCY_WINDOW = 1000
 """Finished requests of each kind that the percentiles are taken over (the newest)."""
@@ -79,12 +80,7 @@ def stats(request: Request, t: Tenant = Depends(tenant_of)) -> dict:
                 latency[kind] = {"count": len(rows),
                                  "total_s": _percentiles([(f - c).total_seconds() for c, _, f in rows]),
                                  "queue_wait_s": _percentiles([(q - c).total_seconds() for c, q, _ in rows])}
-        since = now() - dt.timedelta(seconds=WORKER_LEASE_S)
-        workers = s.scalar(select(func.count()).select_from(Endpoint).where(Endpoint.role == "worker",
-                                                                             Endpoint.last_seen >= since))
-        busy = s.scalar(select(func.count(func.distinct(RequestRow.claimed_by)))
-                        .where(RequestRow.state == RequestState.RUNNING.value))
         return {"tenant": t.name, "sessions": count(Session, Session.finished_at.is_(None)), "models": count(Model),
                 "sampling_sessions": count(SamplingSession), "requests_in_flight": in_flight,
                 "queued": sum(n for k, n in in_flight.items() if k.endswith("/queued")), "latency": latency,
-                "workers": {"live": workers or 0, "busy": busy or 0}}
+                "workers": {"live": live_workers(s), "busy": busy_workers(s)}}
