@@ -567,6 +567,9 @@ def build_parser() -> argparse.ArgumentParser:
     dataset.add_argument("--name", help="upload: a label (default: the file's name)")
     _client_args(dataset)
     dataset.set_defaults(func=_cmd_dataset)
+    from lockstep.sandbox.cli import add_parser as add_sandbox_parser
+
+    add_sandbox_parser(sub)
     return parser
 
 

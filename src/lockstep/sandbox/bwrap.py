@@ -1,0 +1,110 @@
+"""The bubblewrap command line of a sandbox, and whether this machine can make one.
+
+What the sandbox sees: the interpreter's install tree read-only (and nothing else of the host's
+file system: no /etc, /home, /work, /var), a private size-capped tmpfs at /tmp as its only
+writable place, its own /proc and a minimal /dev. New user, PID, IPC, UTS, network, mount and
+cgroup namespaces (no network but its own loopback), no nested user namespaces, a new session
+(no terminal ioctls on ours), no capabilities, and it dies with the process that started it.
+
+As root, the sandbox is started under an unprivileged uid (SANDBOX_UID): the kernel does not
+enforce RLIMIT_NPROC for real uid 0, so a fork bomb started from root would not be capped.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from lockstep.sandbox.types import SandboxUnavailable
+
+SANDBOX_UID = 65534
+"""The outer uid of sandboxes started by root ("nobody"); per-sandbox process counts are kept in
+each sandbox's own user namespace, so sandboxes sharing the uid do not share a budget."""
+
+UNSAFE_ENV = "LOCKSTEP_SANDBOX_UNSAFE"
+"""Set to 1 by an operator to run untrusted code without bubblewrap (rlimits and timeouts only).
+Never the default, and never settable by a tenant's job spec."""
+
+
+def interpreter() -> str:
+    """The interpreter sandboxes run: the system's /usr/bin/python3 when there is one (a sandbox runs
+    stdlib-only code, and a user's Python under /root or /home may be unreadable to the sandbox's
+    uid), else the one behind this process (a venv's python links to it)."""
+    system = "/usr/bin/python3"
+    if os.access(system, os.X_OK):
+        return os.path.realpath(system)
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+
+
+def _ro_tree() -> list[str]:
+    """bwrap arguments that show the interpreter's install tree (and the C library) read-only."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    prefix = str(Path(interpreter()).parent.parent)
+    if prefix != "/usr" and not prefix.startswith("/usr/"):
+        args += ["--ro-bind", prefix, prefix]  # an interpreter installed outside /usr (e.g. /opt/python)
+    return args
+
+
+def bwrap_command(argv: list[str], *, tmpfs_mb: int, env: dict[str, str]) -> list[str]:
+    """The bwrap command line running `argv` in a fresh sandbox."""
+    cmd = ["bwrap", *_ro_tree(), "--proc", "/proc", "--dev", "/dev",
+           "--size", str(tmpfs_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp",
+           "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+           "--hostname", "sandbox", "--clearenv"]
+    for key, value in env.items():
+        cmd += ["--setenv", key, value]
+    return cmd + ["--", *argv]
+
+
+def spawn_user() -> dict:
+    """Popen arguments that drop root to SANDBOX_UID (nothing when not root)."""
+    if os.geteuid() != 0:
+        return {}
+    return {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
+
+
+def unsafe() -> bool:
+    return os.environ.get(UNSAFE_ENV, "") == "1"
+
+
+@functools.lru_cache(maxsize=1)
+def _probe() -> str:
+    """'' when a sandbox can be made here, else why not (cached: the answer does not change)."""
+    if shutil.which("bwrap") is None:
+        return ("bubblewrap (bwrap) is not installed; install the Debian/Ubuntu package 'bubblewrap' "
+                "(scripts/setup.sh does so when run as root)")
+    py = interpreter()
+    if not Path(py).is_file():
+        return f"the interpreter {py} is missing"
+    cmd = bwrap_command([py, "-s", "-B", "-c", "print('ok')"], tmpfs_mb=8, env={"PATH": "/usr/bin:/bin"})
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd="/", **spawn_user())
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"bwrap could not start: {e}"
+    if out.returncode != 0 or out.stdout.strip() != "ok":
+        err = (out.stderr or out.stdout).strip()[-400:]
+        return (f"bwrap could not create a sandbox ({err or f'exit {out.returncode}'}); it needs unprivileged "
+                f"user namespaces (sysctl kernel.unprivileged_userns_clone=1, or on Ubuntu 24.04 "
+                f"kernel.apparmor_restrict_unprivileged_userns=0 or an AppArmor profile for bwrap), and in a "
+                f"container, one allowed to create namespaces")
+    return ""
+
+
+def check_available() -> None:
+    """Raise SandboxUnavailable (with the reason and the fix) unless sandboxes can be made here.
+    With LOCKSTEP_SANDBOX_UNSAFE=1 this passes: the operator chose to run code unsandboxed."""
+    if unsafe():
+        return
+    reason = _probe()
+    if reason:
+        raise SandboxUnavailable(f"untrusted code is refused: {reason}. Set {UNSAFE_ENV}=1 only if you accept "
+                                 f"running model-written code unsandboxed on this machine.")

@@ -1,0 +1,157 @@
+"""Ready sandboxes, and the async API that envs use.
+
+Starting a sandbox (bwrap, namespaces, an interpreter) costs ~15-25 ms; a pool per set of limits
+keeps a few started, so that a short program costs little more than its own run. A sandbox is
+used by one program (or one episode's interpreter) and then destroyed: nothing a program leaves
+behind reaches the next one. Calls block on pipes, so they run in this module's thread pool;
+`MAX_RUNNING` of them run at once per process, so a burst of programs shares the CPUs instead of
+all timing out together (their wall clocks start when they run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+from lockstep.sandbox.process import Sandbox
+from lockstep.sandbox.types import Limits, SandboxError, Verdict
+
+READY = 4
+"""Started sandboxes kept per set of limits."""
+MAX_RUNNING = max(4, 2 * (os.cpu_count() or 1))
+"""Programs running at once in one process."""
+
+_executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="sandbox")
+_running = threading.BoundedSemaphore(MAX_RUNNING)
+
+
+class SandboxPool:
+    """Started sandboxes with one set of limits, refilled in the background."""
+
+    def __init__(self, limits: Limits, ready: int = READY):
+        self.limits, self.ready = limits, ready
+        self._idle: deque[Sandbox] = deque()
+        self._lock = threading.Lock()
+        self._filling = False
+        self.started = self.taken = 0
+
+    def take(self, *, seed: int = 0) -> Sandbox:
+        """A started sandbox (from the pool when one is ready; seeded ones are always fresh)."""
+        sb = None
+        if seed == 0:
+            with self._lock:
+                while self._idle and sb is None:
+                    candidate = self._idle.popleft()
+                    if candidate.alive:
+                        sb = candidate
+                    else:
+                        candidate.close()
+        self.taken += 1
+        self._refill()
+        return sb or self._start(seed)
+
+    def _start(self, seed: int) -> Sandbox:
+        self.started += 1
+        return Sandbox(self.limits, seed=seed)
+
+    def _refill(self) -> None:
+        with self._lock:
+            if self._filling or len(self._idle) >= self.ready:
+                return
+            self._filling = True
+        _executor.submit(self._fill)
+
+    def _fill(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if len(self._idle) >= self.ready:
+                        return
+                try:
+                    sb = self._start(0)
+                except SandboxError:
+                    return
+                with self._lock:
+                    self._idle.append(sb)
+        finally:
+            with self._lock:
+                self._filling = False
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = list(self._idle), deque()
+        for sb in idle:
+            sb.close()
+
+
+_pools: dict[Limits, SandboxPool] = {}
+_pools_lock = threading.Lock()
+
+
+def pool(limits: Limits) -> SandboxPool:
+    with _pools_lock:
+        if limits not in _pools:
+            _pools[limits] = SandboxPool(limits)
+        return _pools[limits]
+
+
+@atexit.register
+def _close_pools() -> None:
+    with _pools_lock:
+        for p in _pools.values():
+            p.close()
+
+
+def _call(sb: Sandbox, code: str, mode: str, name: str) -> Verdict:
+    with _running:
+        return sb.call(code, mode=mode, name=name)
+
+
+def run_program_blocking(code: str, limits: Limits, *, name: str = "<program>") -> Verdict:
+    """Run one program in a fresh sandbox and destroy it."""
+    sb = pool(limits).take()
+    try:
+        return _call(sb, code, "program", name)
+    finally:
+        sb.close()
+
+
+async def run_program(code: str, limits: Limits, *, name: str = "<program>") -> Verdict:
+    return await asyncio.get_running_loop().run_in_executor(_executor, run_program_blocking, code, limits, name)
+
+
+class Session:
+    """One episode's interpreter: cells share a namespace. A cell that times out or hits a limit
+    kills the interpreter; the owner decides whether to restart it (the tool env replays)."""
+
+    def __init__(self, limits: Limits, *, seed: int = 0):
+        self.limits, self.seed = limits, seed
+        self._sb: Sandbox | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._sb is not None and self._sb.alive
+
+    def cell_blocking(self, code: str) -> Verdict:
+        if self._sb is None or not self._sb.alive:
+            self.close()
+            self._sb = pool(self.limits).take(seed=self.seed)
+        return _call(self._sb, code, "cell", "<cell>")
+
+    async def cell(self, code: str) -> Verdict:
+        return await asyncio.get_running_loop().run_in_executor(_executor, self.cell_blocking, code)
+
+    def close(self) -> None:
+        if self._sb is not None:
+            self._sb.close()
+            self._sb = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
