@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from lockstep.config.types import ConfigError, EnvSpec, ModelSpec, RolloutSpec, RunSpec, RuntimeSpec, StageSpec
+from lockstep.sandbox.types import LimitsError
 
 _SECTIONS = {"model": ModelSpec, "env": EnvSpec, "runtime": RuntimeSpec, "rollout": RolloutSpec}
 
@@ -53,7 +54,10 @@ def _build(cls, data: dict, path: str):
             raise ConfigError(f"{path}.{key}: unknown key{_suggest(key, fields)}")
     kwargs = {k: _build(hints[k], v, f"{path}.{k}") if dataclasses.is_dataclass(hints[k])
               else _coerce(f"{path}.{k}", v, hints[k]) for k, v in data.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except LimitsError as e:  # the sandbox's own spec validates itself, naming the key
+        raise ConfigError(f"{path}.{e}") from None
 
 
 def from_dict(data: dict) -> RunSpec:

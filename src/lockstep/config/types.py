@@ -12,6 +12,7 @@ from numbers import Real
 from typing import Literal
 
 from lockstep.advantages import ADVANTAGE_ESTIMATORS
+from lockstep.sandbox.types import Limits
 
 
 class ConfigError(ValueError):
@@ -45,7 +46,7 @@ class ModelSpec:
             object.__setattr__(self, "train_experts", tuple(sorted(self.train_experts)))
 
 
-BUILTIN_ENVS = ("arithmetic", "long_addition", "math", "reasoning_gym")
+BUILTIN_ENVS = ("arithmetic", "long_addition", "math", "reasoning_gym", "code", "python_tool")
 """The built-in env suites, each `lockstep.envs.<name>:make_suite`; the one list of their names."""
 
 LOSSES: dict[str, tuple[str, ...]] = {
@@ -102,7 +103,9 @@ class EnvSpec:
     pass_k: int = 8
     """pass@k on the held-out set at the end of each stage (k samples at temperature 1); 0: off."""
     path: str = ""
-    """math: training rows, a .jsonl or .parquet file with `problem` (or `question`) and `answer`."""
+    """math: training rows, a .jsonl or .parquet file with `problem` (or `question`) and `answer`.
+    code: rows of `prompt` and `tests` (empty: the shipped problems). python_tool: rows of
+    `problem` and `answer` (empty: procedural arithmetic that is worth computing)."""
     test_path: str = ""
     """math: held-out rows in the same format (empty: the last num_heldout rows of path)."""
     task: str = ""
@@ -113,6 +116,10 @@ class EnvSpec:
     """math / reasoning_gym: the prompt, with {question} replaced by the problem text."""
     chat_template: bool = False
     """math / reasoning_gym: wrap the prompt as a user message with the tokenizer's chat template."""
+    reward: Literal["fraction", "all"] = "fraction"
+    """code: the fraction of tests passed, or 1 only when all pass."""
+    sandbox: Limits = field(default_factory=Limits)
+    """code / python_tool: limits of the sandbox that runs model-written programs ([env.sandbox])."""
     retries: int = 2
     """Times an env step that raises or times out is retried before the group counts as failed."""
     timeout_s: float = 30.0
@@ -131,6 +138,8 @@ class EnvSpec:
             _require(isinstance(v, int) and not isinstance(v, bool) and v >= low, f"env.{name}", f"an integer >= {low}", v)
         _require(self.digits <= 9, "env.digits", "an integer in [1, 9]", self.digits)
         _require(self.timeout_s > 0, "env.timeout_s", "a number > 0", self.timeout_s)
+        _require(self.reward in ("fraction", "all"), "env.reward", "'fraction' or 'all'", self.reward)
+        _require(isinstance(self.sandbox, Limits), "env.sandbox", "a table of sandbox limits", self.sandbox)
         _require(self.name != "math" or bool(self.path), "env.path", "a .jsonl or .parquet file when env.name is 'math'", self.path)
         _require(self.name != "reasoning_gym" or bool(self.task), "env.task",
                  "a reasoning_gym task name when env.name is 'reasoning_gym'", self.task)
@@ -298,8 +307,28 @@ class SpeculativeSpec:
 
 
 @dataclass(frozen=True)
+class ForkSpec:
+    """Episode forking for multi-turn envs ([rollout.fork]): every training episode still running
+    after `turn` turns is snapshotted and continued as `branches` branches from the same state.
+    The shared prefix then learns from its branches' mean reward against the group's other
+    episodes, and each continuation from its own reward against that mean (per-turn advantages)."""
+
+    turn: int = 0
+    """Fork after this many turns (0: never)."""
+    branches: int = 2
+    """Continuations per forked episode (the episode itself is one)."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.turn, int) and not isinstance(self.turn, bool) and 0 <= self.turn <= 64,
+                 "rollout.fork.turn", "an integer in [0, 64]", self.turn)
+        _require(isinstance(self.branches, int) and not isinstance(self.branches, bool) and 2 <= self.branches <= 64,
+                 "rollout.fork.branches", "an integer in [2, 64]", self.branches)
+
+
+@dataclass(frozen=True)
 class RolloutSpec:
     speculative: SpeculativeSpec = field(default_factory=SpeculativeSpec)
+    fork: ForkSpec = field(default_factory=ForkSpec)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from lockstep.envs.types import DataReport, Observation, SFTExample, StepResult
+from lockstep.envs.types import DataReport, EnvSnapshot, Observation, SFTExample, StepResult, restore_state
 
 FEEDBACK = " no; "
 """Text the multi-turn env inserts after a wrong answer, before repeating the prompt."""
@@ -99,11 +99,11 @@ class ArithmeticEnv:
         self.context = self.context + tuple(action) + retry
         return StepResult(0.0, False, Observation(self.context, None, self.max_tokens))
 
-    def snapshot(self) -> tuple:
-        return self.context, self.turn
+    def snapshot(self) -> EnvSnapshot:
+        return EnvSnapshot.of(self, (self.context, self.turn))
 
-    def restore(self, snapshot: tuple) -> None:
-        self.context, self.turn = snapshot
+    def restore(self, snapshot: EnvSnapshot) -> None:
+        self.context, self.turn = restore_state(self, snapshot)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ BUILTIN = {
     "long_addition": "lockstep.envs.arithmetic:make_long_suite",
     "math": "lockstep.envs.math:make_suite",
     "reasoning_gym": "lockstep.envs.reasoning_gym:make_suite",
+    "code": "lockstep.envs.code:make_suite",
+    "python_tool": "lockstep.envs.python_tool:make_suite",
 }
 ALLOWLIST_ENV = "LOCKSTEP_ENV_MODULES"
 """Comma-separated modules a user suite may come from (a module covers its submodules; "*": any)."""

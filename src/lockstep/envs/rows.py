@@ -38,11 +38,15 @@ def _read_raw(path: Path) -> list:
     raise EnvError(f"{path}: expected a .jsonl or .parquet file")
 
 
-def read_rows(path: str | Path, fields: Sequence[Sequence[str]]) -> tuple[list[dict], DataReport]:
+def read_rows(path: str | Path, fields: Sequence[Sequence[str]], *, optional: Sequence[str] = (),
+              check: Callable[[dict], str] | None = None) -> tuple[list[dict], DataReport]:
     """Rows of `path` holding every field; each entry of `fields` lists accepted names for one
-    field (the first present wins), and the returned rows use the first name as the key.
+    field (the first present wins), and the returned rows use the first name as the key. Fields
+    named in `optional` are kept when present. `check(row)` returns why a row is unusable ('' if
+    it is fine).
 
-    Rows with a missing or empty field are skipped with a warning naming the row (1-based).
+    Rows with a missing or empty field, or that `check` rejects, are skipped with a warning naming
+    the row (1-based).
     """
     path = Path(path)
     if not path.is_file():
@@ -59,14 +63,20 @@ def read_rows(path: str | Path, fields: Sequence[Sequence[str]]) -> tuple[list[d
                 missing = "/".join(names)
                 break
             out[names[0]] = value
-        if missing is None:
-            rows.append(out)
-        else:
+        if missing is not None:
             skipped.append(f"{path}: row {number}: missing field {missing!r}; skipped")
+            continue
+        out.update({name: row[name] for name in optional if row.get(name) not in (None, "")})
+        problem = check(out) if check else ""
+        if problem:
+            skipped.append(f"{path}: row {number}: {problem}; skipped")
+        else:
+            rows.append(out)
     for message in skipped[:MAX_WARNINGS]:
         warnings.warn(message, stacklevel=2)
     if len(skipped) > MAX_WARNINGS:
-        warnings.warn(f"{path}: {len(skipped) - MAX_WARNINGS} more rows skipped for missing fields", stacklevel=2)
+        warnings.warn(f"{path}: {len(skipped) - MAX_WARNINGS} more rows skipped (missing or malformed fields)",
+                      stacklevel=2)
     if not rows:
         raise EnvError(f"{path}: no usable rows (need fields {[list(f) for f in fields]}; {len(skipped)} skipped)")
     return rows, DataReport(rows=len(raw), skipped=len(skipped))

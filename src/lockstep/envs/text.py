@@ -14,7 +14,7 @@ from typing import Sequence
 
 from lockstep.envs.prompts import check_prompt_settings, render_prompt
 from lockstep.envs.rows import EpochBatches, sft_from_file
-from lockstep.envs.types import DataReport, Observation, SFTExample, StepResult
+from lockstep.envs.types import DataReport, EnvSnapshot, Observation, SFTExample, StepResult, restore_state
 
 
 class SingleTurnEnv:
@@ -35,11 +35,11 @@ class SingleTurnEnv:
         reward, correct = await self.score(completion)
         return StepResult(reward, True, metrics={"correct": 1.0 if correct else 0.0})
 
-    def snapshot(self) -> None:
-        return None  # single turn: there is no state between steps
+    def snapshot(self) -> EnvSnapshot:
+        return EnvSnapshot.of(self, None)  # single turn: no state between steps, but a typed snapshot
 
-    def restore(self, snapshot: None) -> None:
-        pass
+    def restore(self, snapshot: EnvSnapshot) -> None:
+        restore_state(self, snapshot)
 
 
 class TextTrainBatches:

@@ -6,8 +6,11 @@ next observation. A later observation must extend the previous context plus the 
 runtime trains on one token sequence per episode; env-inserted tokens carry no loss). An
 `EnvGroupBuilder` makes the envs of one group, the unit of advantage centring (GRPO). An
 `RLDataset` is a sequence of batches of builders, a pure function of the batch index, so that a
-group can be rebuilt from its id when it is replayed. Envs that can fork an episode implement
-`snapshot()` / `restore()`; the runtime uses them to retry a failed step from the state before it.
+group can be rebuilt from its id when it is replayed. Every built-in env implements `snapshot()` /
+`restore()` (an `EnvSnapshot`: typed and versioned, so a snapshot restored into another env type or
+by another lockstep version is refused); the runtime uses them to retry a failed step from the
+state before it, and to fork an episode into branches (`rollout.fork`). A restored env given the
+same actions yields the same observations and rewards.
 
 An `EnvSuite` is what a config's `[env]` section resolves to: training batches, a held-out set
 and supervised examples for warm-up stages. Built-in suites live next to this file; a user's own
@@ -57,13 +60,65 @@ class Env(Protocol):
     async def step(self, action: Sequence[int]) -> StepResult: ...
 
 
+SNAPSHOT_FORMAT = 1
+"""Bumped when a built-in env's snapshot state changes shape."""
+
+
+def _lockstep_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lockstep")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class EnvSnapshot:
+    """An episode's state, restorable into another env of the same type (a fork's branch)."""
+
+    env_type: str
+    """The env's class, "module.QualName"."""
+    lockstep: str
+    format: int
+    state: Any
+
+    @classmethod
+    def of(cls, env, state: Any) -> "EnvSnapshot":
+        return cls(_type_name(env), _lockstep_version(), SNAPSHOT_FORMAT, state)
+
+    def state_for(self, env) -> Any:
+        """The state, after checking it belongs to `env`'s type and this lockstep; EnvError otherwise."""
+        if self.env_type != _type_name(env):
+            raise EnvError(f"{_type_name(env)}.restore: this snapshot is of a {self.env_type} env; restore it into "
+                           f"an env of that type")
+        if (self.lockstep, self.format) != (_lockstep_version(), SNAPSHOT_FORMAT):
+            raise EnvError(f"{_type_name(env)}.restore: the snapshot was taken by lockstep {self.lockstep} (format "
+                           f"{self.format}); this is lockstep {_lockstep_version()} (format {SNAPSHOT_FORMAT}): "
+                           f"restart the episode instead")
+        return self.state
+
+
+def _type_name(env) -> str:
+    return f"{type(env).__module__}.{type(env).__qualname__}"
+
+
+def restore_state(env, snapshot) -> Any:
+    """`snapshot.state_for(env)`, with a clear EnvError for anything that is no EnvSnapshot."""
+    if not isinstance(snapshot, EnvSnapshot):
+        raise EnvError(f"{_type_name(env)}.restore: expected an EnvSnapshot, got {type(snapshot).__name__}")
+    return snapshot.state_for(env)
+
+
 @runtime_checkable
 class ForkableEnv(Env, Protocol):
     """An env whose episode can be copied mid-way (to branch continuations, or to retry a step)."""
 
     def snapshot(self) -> Any: ...
 
-    def restore(self, snapshot: Any) -> None: ...
+    def restore(self, snapshot: Any) -> None:
+        """Put this env (a fresh one of the same type, or the one snapshotted) in the snapshot's state."""
+        ...
 
 
 class EnvGroupBuilder(Protocol):

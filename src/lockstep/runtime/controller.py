@@ -220,8 +220,10 @@ class RLLoop:
     """
 
     def __init__(self, c: Components, stage: StageSpec, index: int, dataset, ledger: Ledger, *,
-                 seed: int, position: dict | None = None):
+                 seed: int, position: dict | None = None, fork: tuple[int, int] = (0, 1)):
         self.c, self.stage, self.index, self.dataset, self.ledger, self.seed = c, stage, index, dataset, ledger, seed
+        self.fork = fork
+        """(turn, branches) of episode forking (rollout.fork)."""
         pos = position or {}
         self.step, self.next_batch, self.next_index = pos.get("step", 0), pos.get("next_batch", 0), pos.get("next_index", 0)
         self.calls = pos.get("calls", 0)
@@ -259,7 +261,7 @@ class RLLoop:
             ids = self._next_ids(s.prompts_per_step)
             self.ledger.issue(ids)
             req = RolloutRequest(tuple(ids), tuple(self.builder(g) for g in ids), s.group_size, s.temperature,
-                                 self.seed * 1_000_003 + self.calls)
+                                 self.seed * 1_000_003 + self.calls, *self.fork)
             self.calls += 1
             self.in_flight.append((self.c.rollout(req), req, time.time()))
 

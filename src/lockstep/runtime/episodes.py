@@ -6,6 +6,12 @@ episode steps its env with the sampled action. An episode's tokens after the pro
 sequence: sampled tokens carry their exact logprobs and versions, env-inserted tokens are marked
 unsampled (no loss on them). Env calls have a deadline and are retried, from a snapshot when the
 env can fork; an episode whose env keeps failing is marked failed, and its group is not trained.
+
+Forking (`rollout.fork`): an episode still running after `fork_turn` turns is split into
+`fork_branches`: its env is snapshotted and restored into fresh envs of the same problem, and the
+branches go on from the same context (one sampling request, so the prefix is prefilled once). The
+branches form a family; training gives the shared prefix the family's mean reward against the
+group's other families, and each branch's continuation its reward against the family's mean.
 """
 
 from __future__ import annotations
@@ -66,6 +72,16 @@ class Episode:
         self.version: int | None = None
         self.reward, self.metrics, self.turns = 0.0, {}, 0
         self.stop_reason, self.done, self.failed = "stop", False, False
+        self.family, self.fork_at, self.owns_prefix = -1, 0, True
+
+    def branch(self, env) -> "Episode":
+        """A copy of this episode's record, going on in `env` (already restored to its state)."""
+        ep = Episode(env)
+        for name in ("prompt", "obs", "version", "reward", "metrics", "turns", "stop_reason", "family", "fork_at"):
+            setattr(ep, name, getattr(self, name))
+        ep.tokens, ep.logprobs, ep.sampled = list(self.tokens), list(self.logprobs), list(self.sampled)
+        ep.metrics, ep.owns_prefix = dict(self.metrics), False
+        return ep
 
     @property
     def live(self) -> bool:
@@ -97,7 +113,8 @@ class Episode:
 
     def sample(self) -> Sample:
         return Sample(tuple(self.tokens), tuple(self.logprobs), self.version or 0, self.stop_reason, self.reward,
-                      self.metrics, () if all(self.sampled) else tuple(self.sampled), self.turns)
+                      self.metrics, () if all(self.sampled) else tuple(self.sampled), self.turns, self.family,
+                      self.fork_at, self.owns_prefix)
 
 
 async def _call(what: str, make_call: Callable[[], Awaitable], env, *, retries: int, timeout_s: float):
@@ -158,6 +175,25 @@ def _requests(groups: list[list[Episode]], turn: int, base_seed: int, temperatur
     return requests, owners
 
 
+def _fork(episodes: list[Episode], builder, tokenizer, branches: int) -> list[Episode]:
+    """Branches of every live episode of one group (the originals are the first branch)."""
+    out = []
+    for index, ep in enumerate(list(episodes)):
+        if not ep.live or not isinstance(ep.env, ForkableEnv):
+            continue
+        try:
+            snap = ep.env.snapshot()
+            envs = list(builder.make_envs(branches - 1, tokenizer))
+            for env in envs:
+                env.restore(snap)
+        except Exception:  # noqa: BLE001 - an env that cannot fork goes on unforked
+            env_errors.exception("%s could not fork an episode", type(ep.env).__name__)
+            continue
+        ep.family, ep.fork_at = index, len(ep.tokens)
+        out += [ep.branch(env) for env in envs]
+    return out
+
+
 async def run_episodes(request: RolloutRequest, tokenizer, sample: Callable, *, retries: int,
                        timeout_s: float) -> tuple[list[RolloutGroup], float]:
     """Roll out every group of `request`; `sample(requests)` is the generator. Returns the groups
@@ -165,6 +201,7 @@ async def run_episodes(request: RolloutRequest, tokenizer, sample: Callable, *, 
     kw = {"retries": retries, "timeout_s": timeout_s}
     groups = [[Episode(env) for env in b.make_envs(request.group_size, tokenizer)] for b in request.builders]
     flat = [ep for g in groups for ep in g]
+    fork_turn, branches = request.fork_turn, request.fork_branches
     env_s = time.perf_counter()
     await asyncio.gather(*(_start(ep, **kw) for ep in flat))
     env_s = time.perf_counter() - env_s
@@ -180,8 +217,13 @@ async def run_episodes(request: RolloutRequest, tokenizer, sample: Callable, *, 
                 stepping.append(_step(ep, seq.tokens, **kw))
         t = time.perf_counter()
         await asyncio.gather(*stepping)
-        env_s += time.perf_counter() - t
         turn += 1
+        if fork_turn and branches > 1 and turn == fork_turn:
+            for episodes, builder in zip(groups, request.builders):
+                new = _fork(episodes, builder, tokenizer, branches)
+                episodes += new
+                flat += new
+        env_s += time.perf_counter() - t
     rewarded_at = time.time()
     out = [RolloutGroup(gid, next((ep.prompt for ep in eps if ep.prompt), ()), tuple(ep.sample() for ep in eps), sum(ep.failed for ep in eps),
                         generated_at, rewarded_at)

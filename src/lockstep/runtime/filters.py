@@ -84,10 +84,44 @@ def clean(groups: Sequence[RolloutGroup], *, trainer_version: int, max_staleness
     return FilterReport(tuple(kept), tuple(flat), tuple(stale), tuple(failed), truncated, repetitive)
 
 
+def _families(samples) -> list[list[int]]:
+    """Sample indices by family: the branches of one forked episode together, every other sample alone."""
+    by_family: dict[int, list[int]] = {}
+    out: list[list[int]] = []
+    for i, s in enumerate(samples):
+        if s.family < 0:
+            out.append([i])
+        else:
+            if s.family not in by_family:
+                by_family[s.family] = []
+                out.append(by_family[s.family])
+            by_family[s.family].append(i)
+    return out
+
+
+def token_advantages(samples, estimator) -> list[tuple[float, float]]:
+    """Per sample, (advantage of its shared prefix, advantage of the rest).
+
+    Unforked, they are equal: the group-relative advantage of its reward. A forked episode's
+    family is valued at its branches' mean reward: the prefix gets that value's advantage among
+    the group's families, and each branch's continuation its reward minus the family's value (a
+    per-turn advantage from the branches, as in tree search / VinePPO's Monte Carlo values)."""
+    families = _families(samples)
+    values = np.array([np.mean([samples[i].reward for i in f]) for f in families], dtype=np.float64)
+    family_adv = estimator(values) if len(families) >= 2 else np.zeros(len(families))
+    out: list[tuple[float, float]] = [(0.0, 0.0)] * len(samples)
+    for f, members, a in zip(range(len(families)), families, family_adv):
+        for i in members:
+            rest = a if len(members) == 1 and samples[i].fork_at == 0 else samples[i].reward - values[f]
+            out[i] = (float(a), float(rest))
+    return out
+
+
 def to_datums(groups: Sequence[RolloutGroup], *, estimator: str = "grpo"):
     """Policy-gradient datums: sampled tokens carry the sample's group-centred advantage, the
     sampler's exact logprobs and weight 1; prompt and env-inserted tokens carry weight 0 and no
-    advantage.
+    advantage. With forked episodes, the advantages are per segment (`token_advantages`), and a
+    family's shared prefix is trained once, in the branch that owns it.
 
     Returns (datums, sampled_from): where each datum's sampled tokens start, for the mismatch panel.
     """
@@ -98,18 +132,26 @@ def to_datums(groups: Sequence[RolloutGroup], *, estimator: str = "grpo"):
     for g in groups:
         if len(g.samples) < 2:
             continue  # a masked-down group: no baseline, so no signal
-        adv = advantage(np.array([s.reward for s in g.samples], dtype=np.float64))
+        if all(s.family < 0 for s in g.samples):
+            adv = advantage(np.array([s.reward for s in g.samples], dtype=np.float64))
+            segments = [(float(a), float(a)) for a in adv]
+        else:
+            segments = token_advantages(g.samples, advantage)
         n = len(g.prompt)
-        for s, a in zip(g.samples, adv):
+        for s, (a_prefix, a_rest) in zip(g.samples, segments):
             if not s.tokens:
                 continue
             mask = np.array([s.is_sampled(i) for i in range(len(s.tokens))], np.float32)
+            if not s.owns_prefix:
+                mask[:s.fork_at] = 0.0  # the family's prefix is trained in its owner's datum
+            per_token = np.full(len(s.tokens), np.float32(a_rest), np.float32)
+            per_token[:s.fork_at] = np.float32(a_prefix)
             full = list(g.prompt) + list(s.tokens)
             pad = np.zeros(n - 1, np.float32)
             inputs = {
                 "target_tokens": np.asarray(full[1:], np.int64),
                 "logprobs": np.concatenate([pad, np.asarray(s.logprobs, np.float32) * mask]),
-                "advantages": np.concatenate([pad, np.float32(a) * mask]),
+                "advantages": np.concatenate([pad, per_token * mask]),
                 "weights": np.concatenate([pad, mask]),
             }
             data.append(Datum(tuple(full[:-1]), inputs))

@@ -31,6 +31,22 @@ earlier one and at least this far below it in absolute terms (0.285 -> 0.000 is 
 0.04 is noise on 200 problems, not one)."""
 
 
+def env_record(batch) -> dict[str, float]:
+    """The mean of each numeric env metric over the batch's samples ("env/<name>"), e.g. the code
+    env's timeouts and the tool env's calls; "correct" is rollout/accuracy already."""
+    sums: dict[str, float] = {}
+    samples = [s for g in batch for s in g.samples]
+    for s in samples:
+        for k, v in s.metrics.items():
+            if k != "correct" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                sums[k] = sums.get(k, 0.0) + float(v)
+    out = {f"env/{k}": v / len(samples) for k, v in sums.items()}
+    forked = [s for s in samples if s.family >= 0]
+    if forked:
+        out["rollout/forked_share"] = len(forked) / len(samples)
+    return out
+
+
 def accuracy_collapse(evals: list[dict]) -> dict | None:
     """Whether the newest evaluation shows a collapse against the best before it: its step and
     accuracy, and the best accuracy and its step; None otherwise."""
@@ -200,6 +216,7 @@ class Run(RunDirectory):
         if "mis_masked_fraction:mean" in metrics:
             record["mismatch/masked_fraction"] = metrics["mis_masked_fraction:mean"]
         record.update(router_record(metrics))
+        record.update(env_record(batch))
         return record
 
     def _speculative_record(self, state: dict, gen: dict) -> dict:
@@ -233,8 +250,9 @@ class Run(RunDirectory):
         started = time.time() - self.pos["stage_elapsed"]
         busy0 = self._busy()
         window = {"since": time.time(), "busy": busy0}
+        fork = self.spec.rollout.fork
         self.loop = ctl.RLLoop(self.c, stage, index, self.data[index], self.ledger, seed=self.spec.seed,
-                               position=self.pos["rl"])
+                               position=self.pos["rl"], fork=(fork.turn, fork.branches))
         first = self.loop.step
         state = {"acc": self.pos["evals"][-1]["accuracy"], "last": time.perf_counter()}
 

@@ -27,6 +27,14 @@ class Sample:
     sampled: tuple[bool, ...] = ()
     """Per token: True where the policy sampled it; empty means every token was sampled."""
     turns: int = 1
+    family: int = -1
+    """With forking (rollout.fork): the index, within its group, of the episode this one branched
+    from (its branches share it); -1 for an episode that was not forked."""
+    fork_at: int = 0
+    """With forking: tokens before this index are the prefix shared with the family's other
+    branches (their advantage comes from the family's mean reward); 0: no shared prefix."""
+    owns_prefix: bool = True
+    """Whether this branch trains the shared prefix (exactly one branch of a family does)."""
 
     def is_sampled(self, i: int) -> bool:
         return not self.sampled or self.sampled[i]
@@ -69,6 +77,9 @@ class RolloutRequest:
     seed: int
     """Per-request sampling seeds derive from (seed, turn, request index): reproducible and
     independent of other batches."""
+    fork_turn: int = 0
+    """Fork each episode still running after this many turns into `fork_branches` (0: never)."""
+    fork_branches: int = 1
 
 
 class ActorRestarted(RuntimeError):

@@ -56,7 +56,7 @@ class Limits:
     def __post_init__(self) -> None:
         def need(name: str, ok: bool, expected: str) -> None:
             if not ok:
-                raise LimitsError(f"sandbox.{name}: expected {expected}, got {getattr(self, name)!r}")
+                raise LimitsError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
 
         need("wall_s", isinstance(self.wall_s, (int, float)) and not isinstance(self.wall_s, bool)
              and math.isfinite(self.wall_s) and 0 < self.wall_s <= 3600, "a number of seconds in (0, 3600]")
