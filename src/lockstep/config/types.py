@@ -92,7 +92,8 @@ class EnvSpec:
     a function (spec, tokenizer, seed) -> EnvSuite (see lockstep/envs/types.py)."""
     digits: int | None = None
     """arithmetic / long_addition: operands have up to this many digits (None: 3 for arithmetic, 7
-    for long_addition, whose worked answers are then 72 tokens)."""
+    for long_addition, whose worked answers are then 72 tokens); python_tool: the procedural
+    problems' operands have this many."""
     max_turns: int = 1
     """arithmetic: > 1 lets the model retry a wrong answer after feedback (a multi-turn episode;
     a later correct answer earns half the reward of the turn before)."""

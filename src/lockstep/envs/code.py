@@ -60,6 +60,11 @@ def check_tests(row: dict) -> str:
     if len(tests) > MAX_TESTS or not all(isinstance(t, str) and t.strip() and len(t) <= MAX_TEST_CHARS for t in tests):
         return (f"malformed field 'tests' (expected at most {MAX_TESTS} non-empty strings of at most "
                 f"{MAX_TEST_CHARS} characters)")
+    for i, test in enumerate(tests, start=1):
+        try:
+            compile(test, "<test>", "exec")  # parsed, never run here
+        except (SyntaxError, ValueError) as e:
+            return f"malformed field 'tests' (test {i} is not valid Python: {e.msg if isinstance(e, SyntaxError) else e})"
     entry = row.get("entry_point")
     if entry is not None and not (isinstance(entry, str) and entry.isidentifier()):
         return "malformed field 'entry_point' (expected a Python identifier)"

@@ -7,8 +7,8 @@ on); `<answer>value</answer>` ends the episode and is graded; anything else ends
 The episode also ends, unanswered, after `env.max_turns` turns (at least 2; the default 1 means 4).
 
 Problems: rows of `problem` and `answer` from `env.path` (graded by math-verify), or by default
-procedural arithmetic that is worth computing (products and sums of 4-7 digit numbers, graded
-exactly).
+procedural arithmetic that is worth computing (products, sums and remainders of `env.digits`-digit
+numbers, graded exactly).
 
 Snapshots are the episode's text and the cells that ran; `restore()` replays those cells into a
 fresh interpreter before the next one runs (measured cheaper and simpler than forking a paused
@@ -51,15 +51,18 @@ class Problem:
     """True: the answer must equal `answer` after stripping; False: graded by math-verify."""
 
 
-def procedural(rng: random.Random) -> Problem:
+def procedural(rng: random.Random, digits: int) -> Problem:
+    """A product, a sum or a remainder of `digits`-digit numbers (the remainder's dividend has twice
+    as many)."""
+    lo, hi = 10 ** (digits - 1), 10**digits
     kind = rng.randrange(3)
     if kind == 0:
-        a, b = rng.randrange(1000, 10**5), rng.randrange(1000, 10**5)
+        a, b = rng.randrange(lo, hi), rng.randrange(lo, hi)
         return Problem(f"What is {a} * {b}?", str(a * b))
     if kind == 1:
-        xs = [rng.randrange(10**4, 10**7) for _ in range(rng.randrange(3, 6))]
+        xs = [rng.randrange(lo, hi) for _ in range(rng.randrange(3, 6))]
         return Problem(f"What is the sum of {', '.join(map(str, xs))}?", str(sum(xs)))
-    a, b = rng.randrange(10**6, 10**8), rng.randrange(7, 999)
+    a, b = rng.randrange(lo * lo, hi * hi), rng.randrange(max(lo, 2), hi)
     return Problem(f"What is {a} mod {b}?", str(a % b))
 
 
@@ -187,7 +190,7 @@ class PythonToolSuite(TextSuite):
     name = "python_tool"
     group_prefix = "tool"
 
-    def __init__(self, tokenizer, *, path: str, test_path: str, num_heldout: int, size: int, seed: int,
+    def __init__(self, tokenizer, *, path: str, test_path: str, num_heldout: int, size: int, seed: int, digits: int,
                  prompt_template: str, chat_template: bool, max_tokens: int, max_turns: int, limits: Limits):
         from lockstep.sandbox.bwrap import check_available
         from lockstep.sandbox.types import SandboxUnavailable
@@ -209,9 +212,9 @@ class PythonToolSuite(TextSuite):
             self.problems, self.heldout_problems = rows, heldout
         else:
             rng = random.Random(f"python_tool-{seed}")
-            held = [procedural(rng) for _ in range(num_heldout)]
+            held = [procedural(rng, digits) for _ in range(num_heldout)]
             seen = {p.question for p in held}
-            self.problems = [p for p in (procedural(rng) for _ in range(size)) if p.question not in seen]
+            self.problems = [p for p in (procedural(rng, digits) for _ in range(size)) if p.question not in seen]
             self.heldout_problems = held
         if not self.problems:
             raise EnvError(f"{path}: no training problems left after holding out {len(self.heldout_problems)}")
@@ -258,5 +261,5 @@ def _expression(question: str) -> str:
 def make_suite(spec, tokenizer, seed: int) -> PythonToolSuite:
     template = DEFAULT_TEMPLATE if spec.prompt_template == "{question}\nAnswer: " else spec.prompt_template
     return PythonToolSuite(tokenizer, path=spec.path, test_path=spec.test_path, num_heldout=spec.num_heldout,
-                           size=spec.size, seed=seed, prompt_template=template, chat_template=spec.chat_template,
+                           size=spec.size, seed=seed, digits=spec.digits, prompt_template=template, chat_template=spec.chat_template,
                            max_tokens=spec.max_tokens, max_turns=spec.max_turns, limits=spec.sandbox)

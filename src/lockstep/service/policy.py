@@ -69,6 +69,17 @@ class Limits:
     max_turns: int = 16
     max_env_retries: int = 10
     max_lora_rank: int = 256
+    max_fork_branches: int = 8
+    """rollout.fork.branches (continuations per forked episode)."""
+    max_sandbox_wall_s: float = 60.0
+    """env.sandbox.wall_s; the other env.sandbox limits have their own caps below."""
+    max_sandbox_cpu_s: int = 30
+    max_sandbox_memory_mb: int = 2048
+    max_sandbox_processes: int = 64
+    max_sandbox_file_size_mb: int = 64
+    max_sandbox_open_files: int = 256
+    max_sandbox_output_kb: int = 1024
+    max_sandbox_tmpfs_mb: int = 256
     max_wall_seconds: float = 6 * 3600.0
     """Running time of a job, over all its attempts; the scheduler stops and fails a job past it."""
     max_spec_bytes: int = 64 * 1024
@@ -169,7 +180,9 @@ _CAPS = (  # (cap, the spec fields it bounds)
     ("max_restarts", ("runtime.max_restarts",)), ("max_keep_checkpoints", ("runtime.keep_checkpoints",)),
     ("max_env_size", ("env.size",)), ("max_num_heldout", ("env.num_heldout",)), ("max_pass_k", ("env.pass_k",)),
     ("max_tokens", ("env.max_tokens",)), ("max_turns", ("env.max_turns",)), ("max_env_retries", ("env.retries",)),
-    ("max_lora_rank", ("model.lora_rank",)),
+    ("max_lora_rank", ("model.lora_rank",)), ("max_fork_branches", ("rollout.fork.branches",)),
+    *((f"max_sandbox_{name}", (f"env.sandbox.{name}",)) for name in (
+        "wall_s", "cpu_s", "memory_mb", "processes", "file_size_mb", "open_files", "output_kb", "tmpfs_mb")),
 )
 
 
@@ -204,7 +217,10 @@ def _values(d: dict, field_path: str):
         for i, stage in enumerate(d["stages"]):
             yield f"stages[{i}].{rest}", stage[rest]
     else:
-        yield field_path, d[head][rest]
+        value = d[head]
+        for part in rest.split("."):  # nested tables: rollout.fork.branches, env.sandbox.wall_s
+            value = value[part]
+        yield field_path, value
 
 
 def check_spec(spec: dict, limits: Limits) -> RunSpec:
