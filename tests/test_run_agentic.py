@@ -12,7 +12,7 @@ from lockstep.runtime.ledger import audit
 from lockstep.runtime.run import run
 
 BASE = ["stages.0.batch_size=16", "stages.0.eval_every=100", "stages.0.target_accuracy=0.0",
-        "rl.steps=3", "rl.prompts_per_step=4", "rl.group_size=4", "rl.eval_every=100", "rl.max_seconds=0",
+        "rl.steps=3", "rl.target_accuracy=0.0", "rl.prompts_per_step=4", "rl.group_size=4", "rl.eval_every=100", "rl.max_seconds=0",
         "rl.max_staleness=0", "env.pass_k=0", "runtime.checkpoint_every=0"]
 
 
@@ -67,12 +67,21 @@ def test_code_env_runs_through_the_loop(tmp_path, builtin_dir):
     check_exactly_once(tmp_path / "run", 3, 4)
 
 
+def easy_tool_problems(path):
+    """Questions whose worked answer (a tool call, its output, the answer) is one short transcript,
+    learnt in a few dozen steps by the built-in model (the procedural ones take far more)."""
+    rows = [{"problem": f"Question {i}: what is six times seven?", "answer": "42", "code": "print(6*7)"} for i in range(8)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def test_tool_env_with_forked_episodes_runs_through_the_loop(tmp_path, builtin_dir):
     """Multi-turn tool calls into the sandboxed interpreter, each episode forked after its first
     turn into two branches: the branches are trained (per-turn advantages), tool output tokens
     carry no loss, and every sampled token's logprob is recomputed exactly."""
-    spec = load(None, [*BASE, f"model.path='{builtin_dir}'", "env.name=python_tool", "env.num_heldout=4",
-                       "env.size=200", "env.digits=1", "env.max_turns=3", "stages.0.steps=60", "stages.0.learning_rate=3e-3",
+    data = easy_tool_problems(tmp_path / "tool.jsonl")
+    spec = load(None, [*BASE, f"model.path='{builtin_dir}'", "env.name=python_tool", "env.num_heldout=2",
+                       f"env.path='{data}'", "env.max_turns=3", "stages.0.steps=50", "stages.0.learning_rate=3e-3",
                        "rollout.fork.turn=1", "rollout.fork.branches=2", "env.sandbox.wall_s=3", "env.sandbox.cpu_s=1"])
     run(spec, tmp_path / "run")
     rl = rl_records(tmp_path / "run")
@@ -81,6 +90,6 @@ def test_tool_env_with_forked_episodes_runs_through_the_loop(tmp_path, builtin_d
         assert r["mismatch/abs"] == 0.0 and r["env/failed_groups"] == 0
         assert "env/tool_calls" in r and r["env/tool_replay_mismatch"] == 0.0
     # The warm-up taught the tool call; episodes that made one went on and were forked.
-    assert max(r["env/tool_calls"] for r in rl) > 0.0
-    assert max(r.get("rollout/forked_share", 0.0) for r in rl) > 0.0
+    assert max(r["env/tool_calls"] for r in rl) > 0.0 and max(r["rollout/accuracy"] for r in rl) > 0.0
+    assert max(r.get("rollout/forked_share", 0.0) for r in rl) > 0.0 and trained(rl)
     check_exactly_once(tmp_path / "run", 3, 4)

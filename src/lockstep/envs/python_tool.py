@@ -6,7 +6,8 @@ its output as the next observation (`<output>...</output>`, env-inserted tokens,
 on); `<answer>value</answer>` ends the episode and is graded; anything else ends it unanswered.
 The episode also ends, unanswered, after `env.max_turns` turns (at least 2; the default 1 means 4).
 
-Problems: rows of `problem` and `answer` from `env.path` (graded by math-verify), or by default
+Problems: rows of `problem` and `answer` from `env.path` (graded by math-verify; an optional `code`
+field, Python that prints the answer, makes the row's warm-up transcript a tool call), or by default
 procedural arithmetic that is worth computing (products, sums and remainders of `env.digits`-digit
 numbers, graded exactly).
 
@@ -49,6 +50,8 @@ class Problem:
     answer: str
     exact: bool = True
     """True: the answer must equal `answer` after stripping; False: graded by math-verify."""
+    code: str = ""
+    """A reference tool call that prints the answer (warm-up transcripts); optional in data rows."""
 
 
 def procedural(rng: random.Random, digits: int) -> Problem:
@@ -220,8 +223,9 @@ class PythonToolSuite(TextSuite):
             raise EnvError(f"{path}: no training problems left after holding out {len(self.heldout_problems)}")
 
     def _rows(self, path: str) -> list[Problem]:
-        rows, self._reports[path] = read_rows(path, (("problem", "question"), ("answer", "solution")))
-        return [Problem(str(r["problem"]), str(r["answer"]), exact=False) for r in rows]
+        rows, self._reports[path] = read_rows(path, (("problem", "question"), ("answer", "solution")),
+                                              optional=("code",))
+        return [Problem(str(r["problem"]), str(r["answer"]), exact=False, code=str(r.get("code") or "")) for r in rows]
 
     def builder(self, group_id: str, p: Problem) -> ToolGroupBuilder:
         return ToolGroupBuilder(group_id, p, self.render(p.question), self.max_tokens, self.max_turns, self.limits)
@@ -235,12 +239,13 @@ class PythonToolSuite(TextSuite):
 
     def solved(self, k: int) -> tuple[str, str]:
         """A worked transcript for warm-up: one tool call that computes the answer, its output, the
-        answer (procedural problems: their expression in Python; file rows: the answer alone)."""
+        answer (procedural problems: their expression in Python; file rows: their `code`, or else
+        the answer alone)."""
         p = self.problems[k]
-        expr = _expression(p.question)
-        if not expr:
+        code = p.code or (f"print({_expression(p.question)})" if _expression(p.question) else "")
+        if not code:
             return p.question, f"<answer>{p.answer}</answer>"
-        return p.question, f"<python>print({expr})</python>\n<output>\n{p.answer}\n</output>\n<answer>{p.answer}</answer>"
+        return p.question, f"<python>{code}</python>\n<output>\n{p.answer}\n</output>\n<answer>{p.answer}</answer>"
 
     def heldout(self) -> list[ToolGroupBuilder]:
         return [self.builder(f"heldout-{k}", p) for k, p in enumerate(self.heldout_problems)]
