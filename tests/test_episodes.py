@@ -23,7 +23,7 @@ def engine(builtin_dir):
     return trainer, Sampler(trainer.model, trainer.tokenizer)
 
 
-def roll(engine, builders, group_size, *, temperature=1.0, retries=1, timeout_s=5.0, seen=None):
+def roll(engine, builders, group_size, *, temperature=1.0, retries=1, timeout_s=5.0, seen=None, fork=(0, 1)):
     trainer, sampler = engine
 
     async def sample(requests):
@@ -31,7 +31,7 @@ def roll(engine, builders, group_size, *, temperature=1.0, retries=1, timeout_s=
             seen.append(requests)
         return sampler.sample(requests)
 
-    req = RolloutRequest(tuple(b.group_id for b in builders), tuple(builders), group_size, temperature, 7)
+    req = RolloutRequest(tuple(b.group_id for b in builders), tuple(builders), group_size, temperature, 7, *fork)
     groups, _ = asyncio.run(run_episodes(req, trainer.tokenizer, sample, retries=retries, timeout_s=timeout_s))
     return groups
 
@@ -148,3 +148,31 @@ class ForgetfulBuilder:
 def test_a_next_observation_must_extend_the_context(engine):
     (g,) = roll(engine, [ForgetfulBuilder("f")], 2)
     assert g.failed == 2
+
+
+def test_forked_episodes_share_their_prefix_and_train_it_once(engine):
+    """After turn 1 each live episode is snapshotted and continued as 3 branches: they share the
+    prefix tokens (one sampling request per family, so one prefill), exactly one branch trains the
+    prefix, and the trainer still recomputes every trained token's logprob exactly."""
+    trainer, _ = engine
+    seen = []
+    (g,) = roll(engine, [ArithmeticGroupBuilder("f", Problem(123, 456, 3), max_tokens=6, max_turns=3)], 2,
+                seen=seen, fork=(1, 3))
+    assert len(g.samples) == 6 and g.failed == 0  # the untrained model is wrong on turn 1: every episode forks
+    families = {}
+    for s in g.samples:
+        families.setdefault(s.family, []).append(s)
+    assert sorted(families) == [0, 1] and all(len(f) == 3 for f in families.values())
+    for f in families.values():
+        cut = f[0].fork_at
+        assert cut > 0 and all(s.fork_at == cut and s.tokens[:cut] == f[0].tokens[:cut] for s in f)
+        assert sum(s.owns_prefix for s in f) == 1
+    assert [r.num_samples for r in seen[1]] == [3, 3]  # turn 2: one request per family
+    data, starts = to_datums([g])
+    for d, s, k in zip(data, g.samples, starts):
+        w = d.loss_fn_inputs["weights"][k:]
+        assert (w[:s.fork_at] > 0).any() == s.owns_prefix  # the prefix is trained in one branch only
+    out = trainer.forward(data)
+    for d, o, k in zip(data, out.loss_fn_outputs, starts):
+        keep = d.loss_fn_inputs["weights"][k:] > 0
+        np.testing.assert_array_equal(o["logprobs"][k:][keep], d.loss_fn_inputs["logprobs"][k:][keep])

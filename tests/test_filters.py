@@ -65,3 +65,27 @@ def test_env_inserted_tokens_carry_no_loss():
     assert list(d1.loss_fn_inputs["weights"]) == [0, 0, 1, 0]
     assert np.allclose(d1.loss_fn_inputs["advantages"], [0, 0, 0.5, 0])
     assert np.allclose(d1.loss_fn_inputs["logprobs"], [0, 0, -0.5, 0])
+
+
+def test_forked_families_get_per_turn_advantages():
+    """Family value = mean of its branches' rewards; the shared prefix gets the value's advantage
+    among the group's families (GRPO), each continuation its reward minus the family's value, and
+    only the owning branch trains the prefix. An unforked episode in the same group is one family."""
+    from lockstep.runtime.filters import to_datums
+    from lockstep.runtime.types import RolloutGroup, Sample
+
+    def sample(reward, family, owns, fork_at=2):
+        return Sample((1, 2, 3, 4), (-0.5,) * 4, 0, "stop", reward, family=family, fork_at=fork_at, owns_prefix=owns)
+
+    g = RolloutGroup("g", (7, 8), (sample(1.0, 0, True), sample(0.0, 0, False), sample(1.0, 1, True),
+                                   sample(1.0, 1, False), Sample((5, 6), (-0.1, -0.1), 0, "stop", 0.0)))
+    data, _ = to_datums([g])
+    values = [0.5, 1.0, 0.0]  # families 0, 1 and the unforked episode
+    base = sum(values) / 3
+    adv = [d.loss_fn_inputs["advantages"][1:] for d in data]  # after the prompt's one padded position
+    w = [d.loss_fn_inputs["weights"][1:] for d in data]
+    np.testing.assert_allclose(adv[0], np.float32([0.5 - base] * 2 + [0.5] * 2))  # prefix; 1.0 - 0.5
+    np.testing.assert_allclose(adv[1], np.float32([0.0] * 2 + [-0.5] * 2))  # prefix not trained here
+    np.testing.assert_allclose(w[1], [0, 0, 1, 1])
+    np.testing.assert_allclose(adv[2], np.float32([1.0 - base] * 2 + [0.0] * 2))
+    np.testing.assert_allclose(adv[4], np.float32([0.0 - base] * 2))

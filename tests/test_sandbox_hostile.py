@@ -38,7 +38,7 @@ import pytest
 
 from lockstep.envs.code import SHIPPED, Outcome, Problem, run_tests
 from lockstep.sandbox.bwrap import SANDBOX_UID, check_available, spawn_user, unsafe
-from lockstep.sandbox.pool import pool
+from lockstep.sandbox.pool import pool, run_program_blocking
 from lockstep.sandbox.types import Limits, LimitsError, SandboxUnavailable
 
 HOSTILE = Path(__file__).parent / "hostile"
@@ -373,6 +373,25 @@ def test_host_unharmed(corpus, host):
         f"MemAvailable {corpus.mem_before:.0f} MiB before, {corpus.mem_after:.0f} after"
     assert host.banner() == f"banner {host.token}\n".encode(), "the host's listener stopped answering"
     assert os.environ[host.secret_name] == f"sk-{host.token}"
+
+
+def test_program_mode_leaves_nothing(host):
+    """As one program (`run_program_blocking`, the program's process exits after solve()), the
+    spinner and the daemon it leaves behind die with its sandbox, at once."""
+    names = ["orphan_spinner", "daemon"]
+    before = processes()
+    with ThreadPoolExecutor(len(names)) as ex:
+        verdicts = list(ex.map(lambda n: run_program_blocking(host.program(HOSTILE / f"{n}.py") + "\nprint(solve())\n",
+                                                              LIMITS), names))
+    for name, v in zip(names, verdicts):
+        assert v.status == "ok" and v.stdout == "0\n", (name, v)
+        assert v.wall_s < LIMITS.wall_s, (name, v)
+    deadline = time.monotonic() + SETTLE_S
+    while (left := [p for p in leftovers(before, processes(), host.marker) if host.marker.encode() in p.cmdline]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"left running after the program exited: {left}"
+    pool(LIMITS).close()
 
 
 def _cli(args: list[str], *, code: str | None = None, env: dict | None = None, timeout: float = 60):

@@ -1,6 +1,5 @@
 # Attacks disk space: fills the private /tmp past its size (tmpfs_mb), file by file under the
 # file-size limit. solve() returns 1 only if it stored more than tmpfs_mb there.
-import os
 
 TMPFS = int("@TMPFS_MB@")
 

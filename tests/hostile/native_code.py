@@ -43,7 +43,8 @@ def solve():
         with open("/tmp/x.c", "w") as f:
             f.write(C)
         subprocess.run(["gcc", "-O0", "-o", "/tmp/x", "/tmp/x.c"], capture_output=True, timeout=2.5)
-        out = subprocess.run(["/tmp/x", f"{HOST}/canary.txt", f"/usr/{MARKER}-c"], capture_output=True, timeout=1).stdout
+        out = subprocess.run(["/tmp/x", f"{HOST}/canary.txt", f"/usr/{MARKER}-c"], capture_output=True,
+                             timeout=1).stdout
         won |= TOKEN.encode() in out or b"WROTE" in out
     except (OSError, subprocess.SubprocessError):
         pass
