@@ -97,3 +97,36 @@ def test_procedural_problems_and_warm_up_transcripts(suite, tok):
         expr = transcript.split("<python>print(")[1].split(")</python>")[0]
         assert str(eval(expr)) == suite.problems[k].answer  # the transcript's tool call computes the answer
         assert transcript.endswith(f"<answer>{suite.problems[k].answer}</answer>")
+
+
+def test_only_model_written_tokens_are_trained(suite, tok):
+    """Through the episode machinery, with a scripted policy: the tool call and the answer are
+    sampled tokens (trained, with their logprobs); the tool's output is env-inserted (weight 0)."""
+    from lockstep.engine.types import SampledSequence, SampleResult
+    from lockstep.runtime.episodes import run_episodes
+    from lockstep.runtime.filters import to_datums
+    from lockstep.runtime.types import RolloutRequest
+
+    builder = suite.train_builder("g", 3)
+    script = [f"<python>print({python_tool._expression(builder.problem.question)})</python>",
+              f"<answer>{builder.problem.answer}</answer>"]
+    turns = []
+
+    async def sample(requests):
+        text = script[len(turns)]
+        turns.append(requests)
+        ids = tuple(tok.encode(text))
+        return [SampleResult(tuple(SampledSequence(ids, (-0.25,) * len(ids), "stop", 0) for _ in range(r.num_samples)))
+                for r in requests]
+
+    req = RolloutRequest(("g",), (builder,), 2, 1.0, 0)
+    (group,), _ = asyncio.run(run_episodes(req, tok, sample, retries=0, timeout_s=10))
+    call, answer = (tok.encode(t) for t in script)
+    inserted = tok.encode(f"\n<output>\n{builder.problem.answer}\n</output>\n")
+    for s in group.samples:
+        assert s.reward == 1.0 and s.turns == 2
+        assert list(s.tokens) == call + inserted + answer
+        assert list(s.sampled) == [True] * len(call) + [False] * len(inserted) + [True] * len(answer)
+    data, starts = to_datums([group])
+    for d, k in zip(data, starts):
+        assert list(d.loss_fn_inputs["weights"][k:]) == [1.0] * len(call) + [0.0] * len(inserted) + [1.0] * len(answer)

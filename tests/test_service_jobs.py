@@ -295,3 +295,19 @@ def test_a_jobs_page_updates_live_in_a_browser_and_stays_its_tenants(service, tm
     finally:
         driver.quit()
 
+
+
+def test_agentic_env_jobs_run_their_programs_sandboxed(service):
+    """The code and python_tool envs run as jobs (model-written programs in the job's sandbox); a
+    spec that asks for looser sandbox limits than the server's caps is refused up front."""
+    code = submit(service, "bob", "env.name=code", "env.sandbox.wall_s=3", "env.sandbox.cpu_s=1", name="code")
+    tool = submit(service, "bob", "env.name=python_tool", "env.size=40", "env.max_turns=2", "rollout.fork.turn=1",
+                  "env.sandbox.wall_s=3", name="tool")
+    for job_id, key in ((code, "env/tests_passed"), (tool, "env/tool_calls")):
+        done = wait_state(service, "bob", job_id, ("succeeded", "failed"))
+        assert done["state"] == "succeeded", done["error"]
+        metrics = [r for r in map(json.loads, api(service, "bob", "GET", f"jobs/{job_id}/artifacts/metrics.jsonl")
+                                  .text.splitlines()) if "rollout/reward_mean" in r]
+        assert len(metrics) == 3 and all(key in r and r["env/failed_groups"] == 0 for r in metrics)
+    r = api(service, "bob", "POST", "jobs", json={"spec": {"env": {"name": "code", "sandbox": {"wall_s": 3600}}}})
+    assert r.status_code == 400 and "env.sandbox.wall_s = 3600.0 is over this server's cap" in r.json()["error"]
