@@ -287,7 +287,11 @@ class Sandbox:
                            wall_s=time.monotonic() - t0, cpu_s=cpu, **common)
         # No answer: the interpreter died (a signal, os._exit, a crash) or closed its control pipe.
         status_word, cpu = self._wait_exit()
-        return self._died(status_word, cpu, t0, common)
+        verdict = self._died(status_word, cpu, t0, common)
+        if mode == "cell" and verdict.ok:  # os._exit(0) mid-cell: the cell did not finish, so never a pass
+            return Verdict("error", exit_code=verdict.exit_code, error="the interpreter exited during the call",
+                           wall_s=verdict.wall_s, cpu_s=verdict.cpu_s, **common)
+        return verdict
 
     def _wait_exit(self) -> tuple[int, float]:
         deadline = time.monotonic() + EXIT_GRACE_S
