@@ -56,7 +56,7 @@ def _ro_tree() -> list[str]:
 
 def bwrap_command(argv: list[str], *, tmpfs_mb: int, env: dict[str, str]) -> list[str]:
     """The bwrap command line running `argv` in a fresh sandbox."""
-    cmd = ["bwrap", *_ro_tree(), "--proc", "/proc", "--dev", "/dev",
+    cmd = [shutil.which("bwrap") or "bwrap", *_ro_tree(), "--proc", "/proc", "--dev", "/dev",
            "--size", str(tmpfs_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp",
            "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
            "--hostname", "sandbox", "--clearenv"]
