@@ -43,6 +43,9 @@ def test_cli_surface_is_frozen():
         "job --help/-h", "job --server", "job --api-key", "job --json",
         "cancel --help/-h", "cancel --server", "cancel --api-key", "cancel --json",
         "dataset --help/-h", "dataset --name", "dataset --server", "dataset --api-key", "dataset --json",
+        "sandbox --help/-h", "sandbox run --help/-h", "sandbox run --json",
+        *(f"sandbox run --{flag}" for flag in ("wall-s", "cpu-s", "memory-mb", "processes", "file-size-mb",
+                                               "open-files", "output-kb", "tmpfs-mb")),
     }
 
 
