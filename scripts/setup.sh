@@ -27,8 +27,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! ls /usr/lib/postgres
 fi
 # bubblewrap, the sandbox of model-written programs (the code and python_tool envs, `lockstep
 # sandbox run`), and the system python3 it runs them with; without bwrap those envs refuse to start.
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && { ! command -v bwrap >/dev/null || [ ! -x /usr/bin/python3 ]; }; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap python3) >/dev/null 2>&1 \
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && { ! command -v bwrap >/dev/null || [ ! -x /usr/bin/python3 ] || ! ls /usr/lib/*/libseccomp.so.2 >/dev/null 2>&1; }; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap python3 libseccomp2) >/dev/null 2>&1 \
     || echo "setup: could not install bubblewrap; the code and python_tool envs will refuse to run"
 fi
 # Chromium and its driver, for the dashboard's browser test (tests/test_dashboard.py, selenium),

@@ -4,7 +4,8 @@ What the sandbox sees: the interpreter's install tree read-only (and nothing els
 file system: no /etc, /home, /work, /var), a private size-capped tmpfs at /tmp as its only
 writable place, its own /proc and a minimal /dev. New user, PID, IPC, UTS, network, mount and
 cgroup namespaces (no network but its own loopback), no nested user namespaces, a new session
-(no terminal ioctls on ours), no capabilities, and it dies with the process that started it.
+(no terminal ioctls on ours), no capabilities, a seccomp filter (sandbox/seccomp.py), and it dies
+with the process that started it.
 
 As root, the sandbox is started under an unprivileged uid (SANDBOX_UID): the kernel does not
 enforce RLIMIT_NPROC for real uid 0, so a fork bomb started from root would not be capped.
@@ -19,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lockstep.sandbox.seccomp import filter_fd
 from lockstep.sandbox.types import SandboxUnavailable
 
 SANDBOX_UID = 65534
@@ -54,14 +56,17 @@ def _ro_tree() -> list[str]:
     return args
 
 
-def bwrap_command(argv: list[str], *, tmpfs_mb: int, env: dict[str, str]) -> list[str]:
-    """The bwrap command line running `argv` in a fresh sandbox."""
+def bwrap_command(argv: list[str], *, tmpfs_mb: int, env: dict[str, str], seccomp_fd: int | None = None) -> list[str]:
+    """The bwrap command line running `argv` in a fresh sandbox (under the seccomp filter read from
+    `seccomp_fd`, see sandbox/seccomp.py)."""
     cmd = [shutil.which("bwrap") or "bwrap", *_ro_tree(), "--proc", "/proc", "--dev", "/dev",
            "--size", str(tmpfs_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp",
            "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
            "--hostname", "sandbox", "--clearenv"]
     for key, value in env.items():
         cmd += ["--setenv", key, value]
+    if seccomp_fd is not None:
+        cmd += ["--seccomp", str(seccomp_fd)]
     return cmd + ["--", *argv]
 
 
@@ -85,11 +90,17 @@ def _probe() -> str:
     py = interpreter()
     if not Path(py).is_file():
         return f"the interpreter {py} is missing"
-    cmd = bwrap_command([py, "-s", "-B", "-c", "print('ok')"], tmpfs_mb=8, env={"PATH": "/usr/bin:/bin"})
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd="/", **spawn_user())
+        fd = filter_fd()
+    except SandboxUnavailable as e:
+        return str(e)
+    cmd = bwrap_command([py, "-s", "-B", "-c", "print('ok')"], tmpfs_mb=8, env={"PATH": "/usr/bin:/bin"}, seccomp_fd=fd)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd="/", pass_fds=(fd,), **spawn_user())
     except (OSError, subprocess.SubprocessError) as e:
         return f"bwrap could not start: {e}"
+    finally:
+        os.close(fd)
     if out.returncode != 0 or out.stdout.strip() != "ok":
         err = (out.stderr or out.stdout).strip()[-400:]
         return (f"bwrap could not create a sandbox ({err or f'exit {out.returncode}'}); it needs unprivileged "

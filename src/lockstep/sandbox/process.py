@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from lockstep.sandbox.bwrap import SANDBOX_UID, bwrap_command, check_available, interpreter, spawn_user, unsafe
+from lockstep.sandbox.seccomp import filter_fd
 from lockstep.sandbox.types import Limits, SandboxError, Verdict
 
 LAUNCHER = (Path(__file__).parent / "launcher.py").read_text()
@@ -58,6 +59,7 @@ class Sandbox:
         ctl_in_r, self._ctl_in = os.pipe()
         self._ctl_out, ctl_out_w = os.pipe()
         info_r, info_w = os.pipe() if self.sandboxed else (None, None)
+        seccomp = filter_fd() if self.sandboxed else None
         cwd = "/tmp"
         if not self.sandboxed:  # the operator's explicit choice: rlimits and timers only
             self._tmp = cwd = tempfile.mkdtemp(prefix="lockstep-unsafe-")
@@ -67,11 +69,11 @@ class Sandbox:
         argv = [interpreter(), "-s", "-B", "-c", LAUNCHER, json.dumps(cfg)]
         env = dict(ENV, HOME=cwd)
         if self.sandboxed:
-            cmd = bwrap_command(argv, tmpfs_mb=limits.tmpfs_mb, env=env)
+            cmd = bwrap_command(argv, tmpfs_mb=limits.tmpfs_mb, env=env, seccomp_fd=seccomp)
             cmd[1:1] = ["--info-fd", str(info_w)]
         else:
             cmd = argv
-        fds = (ctl_in_r, ctl_out_w) + ((info_w,) if info_w is not None else ())
+        fds = (ctl_in_r, ctl_out_w) + ((info_w, seccomp) if self.sandboxed else ())
         try:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, pass_fds=fds, cwd="/", env=env,
