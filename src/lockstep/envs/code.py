@@ -17,8 +17,10 @@ tests after it fail. Timeouts, crashes (exceptions, nonzero exits, signals) and 
 
 from __future__ import annotations
 
+import ast
 import json
 import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -91,6 +93,65 @@ class Outcome:
     violation (a sandbox limit), missing_entry_point."""
 
 
+_LITERAL_ERRORS = (ValueError, TypeError, SyntaxError, MemoryError, RecursionError)
+
+
+def split_assert(test: str) -> tuple[str, str, object] | None:
+    """(expression, comparison, expected) of a test of the form `assert EXPR == LITERAL` (either
+    side), `assert EXPR is None/True/False` or `assert EXPR` / `assert not EXPR`; None otherwise.
+
+    Such a test is judged here, outside the sandbox: only the expression's value comes back (as
+    its repr, read as a Python literal), so a program cannot pass it by forging the interpreter's
+    answer, by exiting early, or with an object that equals everything."""
+    try:
+        body = ast.parse(test).body
+    except _LITERAL_ERRORS:
+        return None
+    if len(body) != 1 or not isinstance(body[0], ast.Assert):
+        return None
+    t = body[0].test
+    if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], (ast.Eq, ast.Is)):
+        for expr, lit in ((t.left, t.comparators[0]), (t.comparators[0], t.left)):
+            try:
+                value = ast.literal_eval(lit)
+            except _LITERAL_ERRORS:
+                continue
+            if isinstance(t.ops[0], ast.Is) and value not in (None, True, False):
+                return None
+            return ast.unparse(expr), "is" if isinstance(t.ops[0], ast.Is) else "==", value
+        return None
+    if isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.Not):
+        return f"bool({ast.unparse(t.operand)})", "==", False
+    return f"bool({ast.unparse(t)})", "==", True
+
+
+def judged(verdict, marker: str, comparison: str, expected) -> bool:
+    """Whether the value the sandbox printed after `marker` satisfies the comparison."""
+    _, found, text = verdict.stdout.rpartition(marker)
+    if not found:
+        return False
+    try:
+        value = ast.literal_eval(text.rstrip("\n"))
+    except _LITERAL_ERRORS:
+        return False  # not a plain value: no custom __eq__ decides a test
+    try:  # the assert's own semantics, on plain values
+        return value is expected if comparison == "is" else bool(value == expected)
+    except Exception:  # noqa: BLE001 - a comparison of literals that raises is a failed test
+        return False
+
+
+async def run_test(session, test: str):
+    """(passed, the call's verdict) of one test in the program's interpreter."""
+    split = split_assert(test)
+    if split is None:  # a statement we cannot judge from outside: it runs as written
+        verdict = await session.cell(test)
+        return verdict.ok, verdict
+    expr, comparison, expected = split
+    marker = f"@@lockstep-{secrets.token_hex(8)}@@"
+    verdict = await session.cell(f"print({marker!r} + repr(({expr})))")
+    return verdict.ok and judged(verdict, marker, comparison, expected), verdict
+
+
 async def run_tests(program: str, problem: Problem, limits: Limits) -> Outcome:
     """Run `program` then each test in one sandboxed interpreter."""
     from lockstep.sandbox.pool import Session
@@ -107,10 +168,10 @@ async def run_tests(program: str, problem: Problem, limits: Limits) -> Outcome:
                 return Outcome(0, total, "missing_entry_point" if check.status == "error" else _hard(check))
         passed, reason = 0, "ok"
         for test in problem.tests:
-            verdict = await session.cell(test)
-            if verdict.ok:
+            ok, verdict = await run_test(session, test)
+            if ok:
                 passed += 1
-            elif verdict.status == "error":
+            elif verdict.status in ("ok", "error"):
                 reason = "failed" if reason == "ok" else reason
             else:  # the interpreter was killed: the remaining tests cannot run
                 return Outcome(passed, total, _hard(verdict))

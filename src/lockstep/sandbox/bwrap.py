@@ -1,8 +1,9 @@
 """The bubblewrap command line of a sandbox, and whether this machine can make one.
 
 What the sandbox sees: the interpreter's install tree read-only (and nothing else of the host's
-file system: no /etc, /home, /work, /var), a private size-capped tmpfs at /tmp as its only
-writable place, its own /proc and a minimal /dev. New user, PID, IPC, UTS, network, mount and
+file system: no /etc, /home, /work, /var), a private size-capped tmpfs at /tmp and a small
+/dev/shm as its only writable places (the rest of its root is read-only), its own /proc and a
+minimal /dev. New user, PID, IPC, UTS, network, mount and
 cgroup namespaces (no network but its own loopback), no nested user namespaces, a new session
 (no terminal ioctls on ours), no capabilities, a seccomp filter (sandbox/seccomp.py), and it dies
 with the process that started it.
@@ -23,6 +24,8 @@ from pathlib import Path
 from lockstep.sandbox.seccomp import filter_fd
 from lockstep.sandbox.types import SandboxUnavailable
 
+SHM_MB = 8
+"""Size of the sandbox's /dev/shm (POSIX shared memory, multiprocessing's semaphores)."""
 SANDBOX_UID = 65534
 """The outer uid of sandboxes started by root ("nobody"); per-sandbox process counts are kept in
 each sandbox's own user namespace, so sandboxes sharing the uid do not share a budget."""
@@ -59,8 +62,11 @@ def _ro_tree() -> list[str]:
 def bwrap_command(argv: list[str], *, tmpfs_mb: int, env: dict[str, str], seccomp_fd: int | None = None) -> list[str]:
     """The bwrap command line running `argv` in a fresh sandbox (under the seccomp filter read from
     `seccomp_fd`, see sandbox/seccomp.py)."""
+    # The root and /dev that bwrap builds are tmpfs without a size: made read-only after the
+    # mounts, so that the sized /tmp and a small /dev/shm are the only places a program can write.
     cmd = [shutil.which("bwrap") or "bwrap", *_ro_tree(), "--proc", "/proc", "--dev", "/dev",
-           "--size", str(tmpfs_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp",
+           "--size", str(tmpfs_mb << 20), "--tmpfs", "/tmp", "--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm",
+           "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp",
            "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
            "--hostname", "sandbox", "--clearenv"]
     for key, value in env.items():

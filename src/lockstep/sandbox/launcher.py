@@ -9,7 +9,7 @@ pipe and answers each on the other:
 
 "program" runs the code as __main__ and exits with its status, as `python3 prog.py` would. "cell"
 runs it in the one namespace kept across requests (the tool env's interpreter), showing the value
-of a final expression as the REPL does. Each request gets `cpu_s` CPU seconds more than the
+of a final expression as the REPL does; processes a cell started are killed when it ends. Each request gets `cpu_s` CPU seconds more than the
 process has used so far (the soft RLIMIT_CPU; SIGXCPU when spent, SIGKILL at the hard limit).
 Untrusted code runs in this same process, so nothing here is a security boundary: the sandbox
 around it is. The verdict it reports is only used to label a failure (the supervisor trusts
@@ -120,6 +120,21 @@ def main():
             sys.stderr.flush()
         except Exception:  # noqa: BLE001 - a program may close or replace its streams
             pass
+        if req["mode"] == "cell" and cfg["reap"] and os.getpid() == 2:
+            # Processes a call started do not outlive it: an idle interpreter between tool calls
+            # is not watched, and a background child could grow there. Only in the sandbox's own
+            # PID namespace (where this is pid 2 and -1 means "every process here but init").
+            try:
+                os.kill(-1, 9)
+            except OSError:
+                pass
+            while True:  # reap this process's own children (zombies count against RLIMIT_NPROC)
+                try:
+                    os.waitpid(-1, 0)
+                except ChildProcessError:
+                    break
+                except OSError:
+                    break
         _write(ctl_out, {"id": req["id"], "status": status, "error": error, "limit": limit, "exit_code": exit_code,
                          "cpu_s": _cpu_used() - used})
         if req["mode"] == "program":

@@ -65,7 +65,8 @@ class Sandbox:
             self._tmp = cwd = tempfile.mkdtemp(prefix="lockstep-unsafe-")
             if os.geteuid() == 0:
                 os.chown(cwd, SANDBOX_UID, SANDBOX_UID)
-        cfg = {"in": ctl_in_r, "out": ctl_out_w, "rlimits": _rlimits(limits), "seed": seed, "cwd": cwd}
+        cfg = {"in": ctl_in_r, "out": ctl_out_w, "rlimits": _rlimits(limits), "seed": seed, "cwd": cwd,
+               "reap": self.sandboxed}
         argv = [interpreter(), "-s", "-B", "-c", LAUNCHER, json.dumps(cfg)]
         env = dict(ENV, HOME=cwd)
         if self.sandboxed:
@@ -302,6 +303,11 @@ class Sandbox:
             if pid:
                 self.proc.returncode = os.waitstatus_to_exitcode(status)
                 self._status = status
+                if not self.sandboxed:  # children it left in its process group (unsafe mode has no PID namespace)
+                    try:
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
                 return status, usage.ru_utime + usage.ru_stime
             time.sleep(0.005)
         return self._kill()

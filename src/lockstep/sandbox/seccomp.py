@@ -23,6 +23,9 @@ DENIED = (
     "unshare", "setns", "clone3",  # new namespaces (bwrap --disable-userns too); clone3 falls back to clone
     "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
     "keyctl", "add_key", "request_key",  # kernel subsystems with a history of exploits
+    # Memory outside every file system and process size: System V segments live in the IPC
+    # namespace (no rlimit, no tmpfs size), memfds in no file system (only RLIMIT_FSIZE each).
+    "shmget", "shmat", "shmctl", "memfd_create", "memfd_secret",
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon",
     "swapoff", "acct", "quotactl", "syslog", "personality", "name_to_handle_at", "open_by_handle_at",
     "lookup_dcookie", "iopl", "ioperm",
