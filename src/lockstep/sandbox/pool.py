@@ -17,6 +17,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
+from lockstep.sandbox.bwrap import unsafe
 from lockstep.sandbox.process import Sandbox
 from lockstep.sandbox.types import Limits, SandboxError, Verdict
 
@@ -88,15 +89,18 @@ class SandboxPool:
             sb.close()
 
 
-_pools: dict[Limits, SandboxPool] = {}
+_pools: dict[tuple[Limits, bool], SandboxPool] = {}
 _pools_lock = threading.Lock()
 
 
 def pool(limits: Limits) -> SandboxPool:
+    """The pool of sandboxes with these limits, made the way this process makes them now (an
+    operator's LOCKSTEP_SANDBOX_UNSAFE is part of the key: a pooled sandbox is never of the other kind)."""
+    key = (limits, unsafe())
     with _pools_lock:
-        if limits not in _pools:
-            _pools[limits] = SandboxPool(limits)
-        return _pools[limits]
+        if key not in _pools:
+            _pools[key] = SandboxPool(limits)
+        return _pools[key]
 
 
 @atexit.register
