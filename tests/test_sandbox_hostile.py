@@ -39,7 +39,7 @@ import pytest
 
 from lockstep.envs.code import SHIPPED, Outcome, Problem, run_tests
 from lockstep.sandbox.bwrap import SANDBOX_UID, check_available, spawn_user, unsafe
-from lockstep.sandbox.pool import pool, run_program_blocking
+from lockstep.sandbox.pool import close_pools, pool, run_program_blocking
 from lockstep.sandbox.types import Limits, LimitsError, SandboxUnavailable
 
 HOSTILE = Path(__file__).parent / "hostile"
@@ -246,6 +246,8 @@ def leftovers(before: dict[int, Proc], now: dict[int, Proc], marker: str) -> lis
 def test_leftover_check_sees_a_survivor():
     """The host check itself: a process of ours that outlives its run, under a marker, is seen."""
     marker = f"lockstep-hostile-{secrets.token_hex(6)}"
+    close_pools()  # earlier tests' pools refill in the background: their sandboxes are not survivors
+    time.sleep(0.2)
     before = processes()
     survivor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
     try:

@@ -336,6 +336,7 @@ def test_kill_9_of_api_worker_and_executor_mid_training_applies_every_step_once(
     assert all((a == b).all() for a, b in zip(run.logprobs, want)), run.kills
 
 
+@pytest.mark.slow  # a two-minute load test (BENCHMARKS.md §11 reports it)
 def test_32_sdk_clients_for_two_minutes_no_errors_and_flat_memory(tmp_path):
     from service_harness import Service, load
 

@@ -134,6 +134,7 @@ def expected_reward(sampler, tok, task, n: int = 100) -> float:
     return float(np.mean([np.exp(sum(f.result()[len(q):])) for q, f in zip(prompts, futs)]))
 
 
+@pytest.mark.slow  # ~45 s of SDK RL steps until the reward rises
 def test_rl_loop_reward_rises(server):
     """sample -> reward -> importance_sampling forward_backward -> optim_step -> new sampler.
 

@@ -29,6 +29,7 @@ def run_worker(*args):
     subprocess.run([sys.executable, WORKER, *args], check=True, capture_output=True, timeout=300, env=WORKER_ENV)
 
 
+@pytest.mark.slow  # ten fresh processes of training; resume-in-a-fresh-process stays in the default suite
 def test_ten_fresh_processes_train_to_identical_weights(tmp_path, qwen2_dir):
     """Ten processes at once (a busy machine), each 6 steps from the same start: one set of weights."""
     procs = [subprocess.Popen([sys.executable, WORKER, "--model", qwen2_dir, "--steps", "6", "--weights-out",

@@ -37,7 +37,7 @@ class SandboxPool:
         self.limits, self.ready = limits, ready
         self._idle: deque[Sandbox] = deque()
         self._lock = threading.Lock()
-        self._filling = False
+        self._filling = self.closed = False
         self.started = self.taken = 0
 
     def take(self, *, seed: int = 0) -> Sandbox:
@@ -61,7 +61,7 @@ class SandboxPool:
 
     def _refill(self) -> None:
         with self._lock:
-            if self._filling or len(self._idle) >= self.ready:
+            if self.closed or self._filling or len(self._idle) >= self.ready:
                 return
             self._filling = True
         _executor.submit(self._fill)
@@ -70,20 +70,25 @@ class SandboxPool:
         try:
             while True:
                 with self._lock:
-                    if len(self._idle) >= self.ready:
+                    if self.closed or len(self._idle) >= self.ready:
                         return
                 try:
                     sb = self._start(0)
                 except SandboxError:
                     return
                 with self._lock:
+                    if self.closed:  # closed while this one started
+                        sb.close()
+                        return
                     self._idle.append(sb)
         finally:
             with self._lock:
                 self._filling = False
 
     def close(self) -> None:
+        """Stop refilling and destroy the idle sandboxes (take() still works, unpooled)."""
         with self._lock:
+            self.closed = True
             idle, self._idle = list(self._idle), deque()
         for sb in idle:
             sb.close()
@@ -104,10 +109,13 @@ def pool(limits: Limits) -> SandboxPool:
 
 
 @atexit.register
-def _close_pools() -> None:
+def close_pools() -> None:
+    """Close every pool of this process (idle sandboxes destroyed, no more refills)."""
     with _pools_lock:
-        for p in _pools.values():
-            p.close()
+        pools = list(_pools.values())
+        _pools.clear()
+    for p in pools:
+        p.close()
 
 
 def _call(sb: Sandbox, code: str, mode: str, name: str) -> Verdict:
