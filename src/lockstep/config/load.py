@@ -15,10 +15,11 @@ import typing
 from pathlib import Path
 from typing import Any, Sequence
 
-from lockstep.config.types import ConfigError, EnvSpec, ModelSpec, RolloutSpec, RunSpec, RuntimeSpec, StageSpec
+from lockstep.config.types import (ConfigError, EnvSpec, ModelSpec, RolloutSpec, RunSpec, RuntimeSpec, StageSpec,
+                                   TrainSpec)
 from lockstep.sandbox.types import LimitsError
 
-_SECTIONS = {"model": ModelSpec, "env": EnvSpec, "runtime": RuntimeSpec, "rollout": RolloutSpec}
+_SECTIONS = {"model": ModelSpec, "env": EnvSpec, "runtime": RuntimeSpec, "rollout": RolloutSpec, "train": TrainSpec}
 
 
 def _suggest(key: str, options: Sequence[str]) -> str:

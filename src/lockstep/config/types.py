@@ -364,12 +364,38 @@ class RuntimeSpec:
 
 
 @dataclass(frozen=True)
+class TrainSpec:
+    """The trainer's data parallelism ([train]). A step's datums are cut into `micro_batches`
+    contiguous micro-batches whose gradients accumulate in order; with `replicas` > 1 the
+    micro-batches are shared out over that many trainer processes (torch.distributed, gloo on CPU)
+    and their gradients summed in micro-batch order (engine/data_parallel.py), so a run is bit for
+    bit the same for any number of replicas at the same `micro_batches`."""
+
+    replicas: int = 1
+    micro_batches: int = 0
+    """0: as many as replicas (1 for one trainer: the whole batch in one pass)."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.replicas, int) and not isinstance(self.replicas, bool) and 1 <= self.replicas <= 64,
+                 "train.replicas", "an integer in [1, 64]", self.replicas)
+        _require(isinstance(self.micro_batches, int) and not isinstance(self.micro_batches, bool)
+                 and 0 <= self.micro_batches <= 4096, "train.micro_batches", "an integer in [0, 4096]", self.micro_batches)
+        _require(self.micro_batches == 0 or self.micro_batches >= self.replicas, "train.micro_batches",
+                 f"0 or at least train.replicas ({self.replicas}), so that every replica has work", self.micro_batches)
+
+    @property
+    def micro(self) -> int:
+        return self.micro_batches or self.replicas
+
+
+@dataclass(frozen=True)
 class RunSpec:
     model: ModelSpec = field(default_factory=ModelSpec)
     env: EnvSpec = field(default_factory=EnvSpec)
     stages: tuple[StageSpec, ...] = field(default_factory=default_stages)
     runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -68,12 +68,17 @@ class DataParallel:
         if any(p.grad is not None for p in self.params):
             raise EngineError("data-parallel forward_backward needs cleared gradients (call optim_step or zero_grad first)")
         mine = shares(len(micro_batches), self.world)[self.rank]
-        outputs, grads = [], []
+        outputs, grads, failed = [], [], ""
         for m in mine:
-            outputs.append(self.trainer.forward_backward(micro_batches[m], loss_fn, loss_fn_config))
+            try:
+                outputs.append(self.trainer.forward_backward(micro_batches[m], loss_fn, loss_fn_config))
+            except EngineError as e:  # still take part in the chain, or the other ranks wait forever
+                failed = failed or f"micro-batch {m}: {e}"
             grads.append([None if p.grad is None else p.grad.detach().clone() for p in self.params])
             self.trainer.zero_grad()
-        total = self._chain(grads)
+        total, any_failed = self._chain(grads, bool(failed))
+        if any_failed:
+            raise EngineError(failed or "another replica's micro-batch failed; gradients were not applied")
         for p, g in zip(self.params, total):
             p.grad = g
         return outputs
@@ -83,47 +88,81 @@ class DataParallel:
         return self.trainer.optim_step(adam)
 
     # -- the chain ----------------------------------------------------------------------------
-    def _chain(self, grads: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
+    def _chain(self, grads: list[list[torch.Tensor | None]], failed: bool) -> tuple[list, bool]:
+        """(the ordered sum of every rank's gradients, whether any rank failed), on every rank."""
         acc: list[torch.Tensor | None] = [None] * len(self.params)
         if self.rank > 0:
-            acc = self._recv(self.rank - 1)
+            acc, before = self._recv(self.rank - 1)
+            failed = failed or before
         for g in grads:  # autograd's accumulation, in micro-batch order: None + g = g, else acc + g
             acc = [x if a is None else (a if x is None else a + x) for a, x in zip(acc, g)]
         if self.rank < self.world - 1:
-            self._send(acc, self.rank + 1)
-        return self._broadcast(acc, src=self.world - 1)
+            self._send(acc, failed, self.rank + 1)
+        return self._broadcast(acc, failed, src=self.world - 1)
 
-    def _pack(self, acc) -> tuple[torch.Tensor, torch.Tensor]:
-        present = torch.tensor([a is not None for a in acc], dtype=torch.uint8)
+    def _pack(self, acc, failed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(presence of each gradient, with a last entry: 1 if a rank failed; the gradients, flat)."""
+        present = torch.tensor([a is not None for a in acc] + [failed], dtype=torch.uint8)
         flat = torch.cat([(a if a is not None else torch.zeros_like(p)).reshape(-1).to(torch.float32)
                           for a, p in zip(acc, self.params)])
         return present, flat
 
-    def _unpack(self, present: torch.Tensor, flat: torch.Tensor) -> list[torch.Tensor | None]:
-        out, offset = [], 0
-        for p, n, has in zip(self.params, self.sizes, present.tolist()):
+    def _unpack(self, present: torch.Tensor, flat: torch.Tensor) -> tuple[list[torch.Tensor | None], bool]:
+        out, offset, flags = [], 0, present.tolist()
+        for p, n, has in zip(self.params, self.sizes, flags):
             out.append(flat[offset:offset + n].view_as(p).to(p.dtype).clone() if has else None)
             offset += n
-        return out
+        return out, bool(flags[-1])
 
     def _empty(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.zeros(len(self.params), dtype=torch.uint8), torch.zeros(sum(self.sizes), dtype=torch.float32)
+        return torch.zeros(len(self.params) + 1, dtype=torch.uint8), torch.zeros(sum(self.sizes), dtype=torch.float32)
 
-    def _send(self, acc, dst: int) -> None:
-        present, flat = self._pack(acc)
+    def _send(self, acc, failed: bool, dst: int) -> None:
+        present, flat = self._pack(acc, failed)
         dist.send(present, dst)
         dist.send(flat, dst)
 
-    def _recv(self, src: int) -> list[torch.Tensor | None]:
+    def _recv(self, src: int) -> tuple[list[torch.Tensor | None], bool]:
         present, flat = self._empty()
         dist.recv(present, src)
         dist.recv(flat, src)
         return self._unpack(present, flat)
 
-    def _broadcast(self, acc, *, src: int) -> list[torch.Tensor | None]:
+    def _broadcast(self, acc, failed: bool, *, src: int) -> tuple[list[torch.Tensor | None], bool]:
         if self.world == 1:
-            return acc
-        present, flat = self._pack(acc) if self.rank == src else self._empty()
+            return acc, failed
+        present, flat = self._pack(acc, failed) if self.rank == src else self._empty()
         dist.broadcast(present, src)
         dist.broadcast(flat, src)
-        return acc if self.rank == src else self._unpack(present, flat)
+        return (acc, failed) if self.rank == src else self._unpack(present, flat)
+
+
+def micro_split(data: Sequence, micro_batches: int) -> list[list]:
+    """A step's datums cut into `micro_batches` contiguous, balanced parts (empty ones dropped)."""
+    return [list(data[r.start:r.stop]) for r in shares(len(data), micro_batches) if len(r)]
+
+
+def merge_metrics(parts: Sequence[tuple[Mapping[str, float], float]]) -> dict[str, float]:
+    """Metrics of micro-batches, merged in order by their reduction suffix: `:sum` adds, `:max` /
+    `:min` take the extreme, anything else (`:mean`) is the mean weighted by each part's weight
+    (its loss tokens)."""
+    out: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for metrics, weight in parts:
+        for key, value in metrics.items():
+            kind = key.rsplit(":", 1)[-1]
+            if key not in out:
+                out[key], weights[key] = (value * weight if kind not in ("sum", "max", "min") else value), weight
+            elif kind == "sum":
+                out[key] += value
+            elif kind == "max":
+                out[key] = max(out[key], value)
+            elif kind == "min":
+                out[key] = min(out[key], value)
+            else:
+                out[key] += value * weight
+                weights[key] += weight
+    for key in out:
+        if key.rsplit(":", 1)[-1] not in ("sum", "max", "min"):
+            out[key] = out[key] / weights[key] if weights[key] else float("nan")
+    return out

@@ -11,6 +11,7 @@ again, so a restart that happens between two calls is noticed rather than traine
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -67,13 +68,29 @@ class TrainerActor:
     """Owns the trainable weights and the optimizer; publishes weights with integer versions
     (the version is the optimizer step, so it survives a checkpoint round trip)."""
 
-    def __init__(self, model_path: str, lora_rank: int, lora_alpha: float, threads: int, train_experts=None):
+    def __init__(self, model_path: str, lora_rank: int, lora_alpha: float, threads: int, train_experts=None,
+                 replicas: int = 1, micro_batches: int = 1, replica_cpus: float = 1.0):
         _set_threads(threads)
         self.trainer = _load(model_path, lora_rank, lora_alpha, train_experts)
         self.busy_s = 0.0
         self.incarnation = uuid.uuid4().hex
         self.state_lost = _reconstructed()
         """True after a restart until load_state or start_fresh: the base weights are not the run's."""
+        self.micro, self.helpers, self.dp = micro_batches, [], None
+        if replicas > 1 or micro_batches > 1:
+            self._start_replicas(replicas, replica_cpus, (model_path, lora_rank, lora_alpha, threads, train_experts))
+
+    def _start_replicas(self, replicas: int, cpus: float, load_args: tuple) -> None:
+        """Rank 0 of `replicas` trainer processes: the others are actors this one owns (they die
+        with it), joined in one gloo group on this node's address."""
+        from lockstep.engine.data_parallel import DataParallel, init_group
+
+        if replicas > 1:
+            address, port = ray.util.get_node_ip_address(), _free_port()
+            self.helpers = [TrainerReplica.options(num_cpus=cpus).remote(*load_args, rank, replicas, address, port)
+                            for rank in range(1, replicas)]
+            init_group(0, replicas, address, port)  # returns once every replica has joined
+        self.dp = DataParallel(self.trainer, rank=0, world=replicas)
 
     def _require_state(self) -> None:
         if self.state_lost:
@@ -91,14 +108,40 @@ class TrainerActor:
 
         self._require_state()
         t = time.perf_counter()
-        out = self.trainer.forward_backward(data, loss, loss_config or {})
-        metrics = dict(out.metrics)
+        if self.dp is None:
+            out = self.trainer.forward_backward(data, loss, loss_config or {})
+            metrics, outputs = dict(out.metrics), out.loss_fn_outputs
+        else:
+            metrics, outputs = self._train_parallel(data, loss, loss_config or {}, adam)
         if sampled_from is not None:
-            metrics.update(_mismatch(data, out.loss_fn_outputs, sampled_from))
+            metrics.update(_mismatch(data, outputs, sampled_from))
         metrics.update(self.trainer.optim_step(AdamParams(**adam)))
         self.busy_s += time.perf_counter() - t
         metrics["trainer_busy_s:sum"] = time.perf_counter() - t
         return metrics
+
+    def _train_parallel(self, data, loss: str, loss_config: dict, adam: dict) -> tuple[dict, list]:
+        """Micro-batches over the replicas (each takes the same optimizer step after this); the
+        merged metrics and every datum's outputs, in order."""
+        from lockstep.engine.data_parallel import merge_metrics, micro_split
+
+        parts = micro_split(data, self.micro)
+        refs = [h.step.remote(parts, loss, loss_config, adam) for h in self.helpers]
+        try:
+            mine = [(o.metrics, o.loss_fn_outputs) for o in self.dp.forward_backward(parts, loss, loss_config)]
+        finally:
+            try:
+                theirs = [r for ref in refs for r in ray.get(ref)]  # never leave a replica's call behind
+            except ray.exceptions.RayActorError:
+                # A replica is gone, and with it the process group: this trainer cannot step again.
+                # Ending this process makes Ray restart it (with new replicas), which the controller
+                # sees as a lost trainer and answers by rolling back to the last checkpoint.
+                warnings.warn("a trainer replica died; restarting the trainer and its replicas")
+                os._exit(70)
+        done = mine + theirs  # contiguous shares in rank order: micro-batch order
+        weights = [float(sum((d.loss_fn_inputs["weights"] > 0).sum() for d in part)) for part in parts]
+        metrics = merge_metrics([(m, w) for (m, _), w in zip(done, weights)])
+        return metrics, [o for _, outs in done for o in outs]
 
     @ray.method(num_returns=2)
     def publish(self) -> tuple[int, dict[str, np.ndarray]]:
@@ -113,6 +156,7 @@ class TrainerActor:
     def load_state(self, path: str) -> dict:
         """Weights, optimizer, RNG and step from a checkpoint; returns its data position."""
         self.trainer.load_state(path)
+        ray.get([h.load_state.remote(path) for h in self.helpers])  # every replica holds the same state
         self.state_lost = False
         return self.trainer.data_position
 
@@ -122,9 +166,48 @@ class TrainerActor:
 
     def set_threads(self, n: int) -> None:
         _set_threads(n)
+        ray.get([h.set_threads.remote(n) for h in self.helpers])
 
     def stats(self) -> dict:
-        return {"version": self.trainer.step, "busy_s": self.busy_s, "incarnation": self.incarnation}
+        return {"version": self.trainer.step, "busy_s": self.busy_s, "incarnation": self.incarnation,
+                "replicas": 1 + len(self.helpers)}
+
+
+@ray.remote
+class TrainerReplica:
+    """Rank > 0 of a data-parallel trainer (engine/data_parallel.py), owned by the TrainerActor
+    that is rank 0: it computes its share of each step's micro-batches, takes the same optimizer
+    step, and never publishes or checkpoints (rank 0 does, once)."""
+
+    def __init__(self, model_path: str, lora_rank: int, lora_alpha: float, threads: int, train_experts,
+                 rank: int, world: int, address: str, port: int):
+        from lockstep.engine.data_parallel import DataParallel, init_group
+
+        _set_threads(threads)
+        self.trainer = _load(model_path, lora_rank, lora_alpha, train_experts)
+        init_group(rank, world, address, port)
+        self.dp = DataParallel(self.trainer, rank=rank, world=world)
+
+    def step(self, parts, loss: str, loss_config: dict, adam: dict) -> list[tuple[dict, list]]:
+        from lockstep.engine.types import AdamParams
+
+        outs = self.dp.forward_backward(parts, loss, loss_config)
+        self.trainer.optim_step(AdamParams(**adam))
+        return [(o.metrics, o.loss_fn_outputs) for o in outs]
+
+    def load_state(self, path: str) -> None:
+        self.trainer.load_state(path)
+
+    def set_threads(self, n: int) -> None:
+        _set_threads(n)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((ray.util.get_node_ip_address(), 0))
+        return s.getsockname()[1]
 
 
 @ray.remote(concurrency_groups={"weights": 1, "sample": 1})

@@ -21,6 +21,9 @@ class Plan:
     trainer_threads: int
     generator_threads: int
     stages: tuple[dict, ...]
+    trainer_replicas: int = 1
+    """Trainer processes (data parallel); each takes `trainer_cpus`."""
+    micro_batches: int = 1
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -29,7 +32,8 @@ class Plan:
 def make_plan(spec: RunSpec) -> Plan:
     r = spec.runtime
     budget = r.cpus or os.cpu_count() or 2
-    share = budget / (2 + 0.25 * r.env_workers)
+    replicas = spec.train.replicas
+    share = budget / (1 + replicas + 0.25 * r.env_workers)  # each trainer replica, the generator, the envs
     stages = []
     for s in spec.stages:
         if s.kind == "sft":
@@ -42,4 +46,4 @@ def make_plan(spec: RunSpec) -> Plan:
                            "loss": s.loss, "advantage": s.advantage, "learning_rate": s.learning_rate,
                            "max_seconds": s.max_seconds})
     return Plan(r.ray_address, budget, round(share, 3), round(share, 3), round(0.25 * share, 3),
-                r.trainer_threads, r.generator_threads, tuple(stages))
+                r.trainer_threads, r.generator_threads, tuple(stages), replicas, spec.train.micro)

@@ -94,7 +94,8 @@ def build(spec: RunSpec, plan: Plan, model_path: str, run_dir: Path) -> ctl.Comp
     opts = {"max_restarts": r.max_restarts, "max_task_retries": 0}
     name = lambda role: actor_name(run_dir, role)  # noqa: E731
     trainer = TrainerActor.options(num_cpus=plan.trainer_cpus, name=name("trainer"), **opts).remote(
-        model_path, m.lora_rank, m.lora_alpha, r.trainer_threads, m.train_experts)
+        model_path, m.lora_rank, m.lora_alpha, r.trainer_threads, m.train_experts, plan.trainer_replicas,
+        plan.micro_batches, plan.trainer_cpus)
     generator = GeneratorActor.options(num_cpus=plan.generator_cpus, name=name("generator"), **opts).remote(
         model_path, m.lora_rank, m.lora_alpha, r.generator_threads, spec.rollout.speculative)
     envs = [EnvWorker.options(num_cpus=plan.env_cpus, name=name(f"env{i}"), **opts).remote(

@@ -132,8 +132,10 @@ class Run(RunDirectory):
     def set_threads(self, trainer: int, generator: int) -> None:
         """The thread budget per stage: on a CPU box, cores are the resource to balance."""
         self.c.set_threads(trainer, generator)
+        replicas = self.c.stat("trainer").get("replicas", 1)  # as the trainer counts its own processes
         self.metrics.log(self.pos["global_step"], {"placement/trainer_threads": trainer,
-                                                   "placement/generator_threads": generator})
+                                                   "placement/generator_threads": generator,
+                                                   "placement/trainer_replicas": replicas})
 
     def rebalance(self, balancer: ThreadBalancer, window: dict) -> None:
         """End a window of REBALANCE_EVERY steps: log how busy each stage was and the step rate,

@@ -69,6 +69,9 @@ class Limits:
     max_turns: int = 16
     max_env_retries: int = 10
     max_lora_rank: int = 256
+    max_train_replicas: int = 4
+    """train.replicas (trainer processes of a job)."""
+    max_micro_batches: int = 256
     max_fork_branches: int = 8
     """rollout.fork.branches (continuations per forked episode)."""
     max_sandbox_wall_s: float = 60.0
@@ -181,6 +184,7 @@ _CAPS = (  # (cap, the spec fields it bounds)
     ("max_env_size", ("env.size",)), ("max_num_heldout", ("env.num_heldout",)), ("max_pass_k", ("env.pass_k",)),
     ("max_tokens", ("env.max_tokens",)), ("max_turns", ("env.max_turns",)), ("max_env_retries", ("env.retries",)),
     ("max_lora_rank", ("model.lora_rank",)), ("max_fork_branches", ("rollout.fork.branches",)),
+    ("max_train_replicas", ("train.replicas",)), ("max_micro_batches", ("train.micro_batches",)),
     *((f"max_sandbox_{name}", (f"env.sandbox.{name}",)) for name in (
         "wall_s", "cpu_s", "memory_mb", "processes", "file_size_mb", "open_files", "output_kb", "tmpfs_mb")),
 )
