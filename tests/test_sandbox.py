@@ -93,3 +93,12 @@ def test_a_program_cannot_forge_another_requests_answer():
              "    except OSError:\n        pass\nraise SystemExit(1)\n")
     v = run_program_blocking(forge, FAST)
     assert v.status == "error"
+
+
+def test_a_missing_bwrap_is_not_remembered(monkeypatch):
+    """A probe made while bwrap was not on PATH (a test's patched PATH, a package installed later)
+    must not refuse every later sandbox of the process."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert "is not installed" in bwrap.probe()
+    monkeypatch.undo()
+    assert bwrap.probe() == ""

@@ -87,13 +87,18 @@ def unsafe() -> bool:
     return os.environ.get(UNSAFE_ENV, "") == "1"
 
 
-@functools.lru_cache(maxsize=1)
-def _probe() -> str:
-    """'' when a sandbox can be made here, else why not (cached: the answer does not change)."""
-    if shutil.which("bwrap") is None:
+def probe() -> str:
+    """'' when a sandbox can be made here, else why not. A found bwrap is probed once per path
+    (cached); a missing one is looked for again on every call (PATH may change)."""
+    path = shutil.which("bwrap")
+    if path is None:
         return ("bubblewrap (bwrap) is not installed; install the Debian/Ubuntu package 'bubblewrap' "
                 "(scripts/setup.sh does so when run as root)")
-    py = interpreter()
+    return _probe(path, interpreter())
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(bwrap: str, py: str) -> str:
     if not Path(py).is_file():
         return f"the interpreter {py} is missing"
     try:
@@ -101,6 +106,7 @@ def _probe() -> str:
     except SandboxUnavailable as e:
         return str(e)
     cmd = bwrap_command([py, "-s", "-B", "-c", "print('ok')"], tmpfs_mb=8, env={"PATH": "/usr/bin:/bin"}, seccomp_fd=fd)
+    cmd[0] = bwrap
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd="/", pass_fds=(fd,), **spawn_user())
     except (OSError, subprocess.SubprocessError) as e:
@@ -121,7 +127,7 @@ def check_available() -> None:
     With LOCKSTEP_SANDBOX_UNSAFE=1 this passes: the operator chose to run code unsandboxed."""
     if unsafe():
         return
-    reason = _probe()
+    reason = probe()
     if reason:
         raise SandboxUnavailable(f"untrusted code is refused: {reason}. Set {UNSAFE_ENV}=1 only if you accept "
                                  f"running model-written code unsandboxed on this machine.")
