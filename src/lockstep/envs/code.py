@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Sequence
 
 from lockstep.envs.rows import read_rows
-from lockstep.envs.text import SingleTurnEnv, TextSuite
+from lockstep.envs.text import SingleTurnEnv, TextSuite, require_sandbox, split_heldout
 from lockstep.envs.types import EnvError
 from lockstep.sandbox.types import Limits
 
@@ -226,23 +226,13 @@ class CodeSuite(TextSuite):
 
     def __init__(self, tokenizer, *, path: str, test_path: str, num_heldout: int, seed: int, prompt_template: str,
                  chat_template: bool, max_tokens: int, limits: Limits, all_or_nothing: bool):
-        from lockstep.sandbox.bwrap import check_available
-        from lockstep.sandbox.types import SandboxUnavailable
-
-        try:
-            check_available()  # refuse at start, with the reason, rather than fail every step
-        except SandboxUnavailable as e:
-            raise EnvError(f"env.name = 'code' runs model-written programs: {e}") from None
+        require_sandbox("code")
         super().__init__(tokenizer, seed=seed, prompt_template=prompt_template, chat_template=chat_template,
                          max_tokens=max_tokens)
         self.limits, self.all_or_nothing = limits, all_or_nothing
         self.fence_open = prompt_template.rstrip(" ").endswith(("```\n", "```python\n", "```py\n"))
-        rows = self._read(path or str(SHIPPED))
-        if test_path:
-            heldout = self._read(test_path)
-        else:  # the end of the file, at most a quarter of it
-            k = min(num_heldout, len(rows) // 4)
-            rows, heldout = rows[:len(rows) - k], rows[len(rows) - k:]
+        rows, heldout = split_heldout(self._read(path or str(SHIPPED)), self._read(test_path) if test_path else None,
+                                      num_heldout)
         self.problems = [self._problem(r) for r in rows]
         self.heldout_problems = [self._problem(r) for r in heldout]
         if not self.problems:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from lockstep.envs.rows import read_rows
-from lockstep.envs.text import TextSuite
+from lockstep.envs.text import TextSuite, require_sandbox, split_heldout
 from lockstep.envs.types import EnvError, EnvSnapshot, Observation, StepResult, restore_state
 from lockstep.sandbox.types import Limits
 
@@ -195,24 +195,13 @@ class PythonToolSuite(TextSuite):
 
     def __init__(self, tokenizer, *, path: str, test_path: str, num_heldout: int, size: int, seed: int, digits: int,
                  prompt_template: str, chat_template: bool, max_tokens: int, max_turns: int, limits: Limits):
-        from lockstep.sandbox.bwrap import check_available
-        from lockstep.sandbox.types import SandboxUnavailable
-
-        try:
-            check_available()
-        except SandboxUnavailable as e:
-            raise EnvError(f"env.name = 'python_tool' runs model-written programs: {e}") from None
+        require_sandbox("python_tool")
         super().__init__(tokenizer, seed=seed, prompt_template=prompt_template, chat_template=chat_template,
                          max_tokens=max(max_tokens, 64))
         self.limits, self.max_turns = limits, max_turns if max_turns > 1 else DEFAULT_TURNS
         if path:
-            rows = self._rows(path)
-            if test_path:
-                heldout = self._rows(test_path)
-            else:
-                k = min(num_heldout, len(rows) // 4)
-                rows, heldout = rows[:len(rows) - k], rows[len(rows) - k:]
-            self.problems, self.heldout_problems = rows, heldout
+            self.problems, self.heldout_problems = split_heldout(
+                self._rows(path), self._rows(test_path) if test_path else None, num_heldout)
         else:
             rng = random.Random(f"python_tool-{seed}")
             held = [procedural(rng, digits) for _ in range(num_heldout)]

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from lockstep.envs.prompts import check_prompt_settings, render_prompt
 from lockstep.envs.rows import EpochBatches, sft_from_file
-from lockstep.envs.types import DataReport, EnvSnapshot, Observation, SFTExample, StepResult, restore_state
+from lockstep.envs.types import DataReport, EnvError, EnvSnapshot, Observation, SFTExample, StepResult, restore_state
 
 
 class SingleTurnEnv:
@@ -40,6 +40,27 @@ class SingleTurnEnv:
 
     def restore(self, snapshot: EnvSnapshot) -> None:
         restore_state(self, snapshot)
+
+
+def require_sandbox(env_name: str) -> None:
+    """EnvError, at suite construction, when an env that runs model-written programs has no sandbox
+    here (the reason and the fix in the message) rather than a failure at every step."""
+    from lockstep.sandbox.bwrap import check_available
+    from lockstep.sandbox.types import SandboxUnavailable
+
+    try:
+        check_available()
+    except SandboxUnavailable as e:
+        raise EnvError(f"env.name = {env_name!r} runs model-written programs: {e}") from None
+
+
+def split_heldout(rows: list, heldout: list | None, num_heldout: int) -> tuple[list, list]:
+    """(training rows, held-out rows): `heldout` when a test file gave them, else the end of `rows`,
+    at most `num_heldout` and at most a quarter of them."""
+    if heldout is not None:
+        return rows, heldout
+    k = min(num_heldout, len(rows) // 4)
+    return rows[:len(rows) - k], rows[len(rows) - k:]
 
 
 class TextTrainBatches:

@@ -77,7 +77,7 @@ class Episode:
     def branch(self, env) -> "Episode":
         """A copy of this episode's record, going on in `env` (already restored to its state)."""
         ep = Episode(env)
-        for name in ("prompt", "obs", "version", "reward", "metrics", "turns", "stop_reason", "family", "fork_at"):
+        for name in ("prompt", "obs", "version", "reward", "turns", "stop_reason", "family", "fork_at"):
             setattr(ep, name, getattr(self, name))
         ep.tokens, ep.logprobs, ep.sampled = list(self.tokens), list(self.logprobs), list(self.sampled)
         ep.metrics, ep.owns_prefix = dict(self.metrics), False

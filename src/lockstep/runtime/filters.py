@@ -110,9 +110,9 @@ def token_advantages(samples, estimator) -> list[tuple[float, float]]:
     values = np.array([np.mean([samples[i].reward for i in f]) for f in families], dtype=np.float64)
     family_adv = estimator(values) if len(families) >= 2 else np.zeros(len(families))
     out: list[tuple[float, float]] = [(0.0, 0.0)] * len(samples)
-    for f, members, a in zip(range(len(families)), families, family_adv):
+    for members, value, a in zip(families, values, family_adv):
         for i in members:
-            rest = a if len(members) == 1 and samples[i].fork_at == 0 else samples[i].reward - values[f]
+            rest = a if len(members) == 1 and samples[i].fork_at == 0 else samples[i].reward - value
             out[i] = (float(a), float(rest))
     return out
 
@@ -132,11 +132,7 @@ def to_datums(groups: Sequence[RolloutGroup], *, estimator: str = "grpo"):
     for g in groups:
         if len(g.samples) < 2:
             continue  # a masked-down group: no baseline, so no signal
-        if all(s.family < 0 for s in g.samples):
-            adv = advantage(np.array([s.reward for s in g.samples], dtype=np.float64))
-            segments = [(float(a), float(a)) for a in adv]
-        else:
-            segments = token_advantages(g.samples, advantage)
+        segments = token_advantages(g.samples, advantage)  # unforked: each sample's own group advantage
         n = len(g.prompt)
         for s, (a_prefix, a_rest) in zip(g.samples, segments):
             if not s.tokens:

@@ -40,24 +40,23 @@ class SandboxPool:
         self._filling = self.closed = False
         self.started = self.taken = 0
 
-    def take(self, *, seed: int = 0) -> Sandbox:
-        """A started sandbox (from the pool when one is ready; seeded ones are always fresh)."""
+    def take(self) -> Sandbox:
+        """A started sandbox (from the pool when one is ready)."""
         sb = None
-        if seed == 0:
-            with self._lock:
-                while self._idle and sb is None:
-                    candidate = self._idle.popleft()
-                    if candidate.alive:
-                        sb = candidate
-                    else:
-                        candidate.close()
+        with self._lock:
+            while self._idle and sb is None:
+                candidate = self._idle.popleft()
+                if candidate.alive:
+                    sb = candidate
+                else:
+                    candidate.close()
         self.taken += 1
         self._refill()
-        return sb or self._start(seed)
+        return sb or self._start()
 
-    def _start(self, seed: int) -> Sandbox:
+    def _start(self) -> Sandbox:
         self.started += 1
-        return Sandbox(self.limits, seed=seed)
+        return Sandbox(self.limits)
 
     def _refill(self) -> None:
         with self._lock:
@@ -73,7 +72,7 @@ class SandboxPool:
                     if self.closed or len(self._idle) >= self.ready:
                         return
                 try:
-                    sb = self._start(0)
+                    sb = self._start()
                 except SandboxError:
                     return
                 with self._lock:
@@ -140,8 +139,8 @@ class Session:
     """One episode's interpreter: cells share a namespace. A cell that times out or hits a limit
     kills the interpreter; the owner decides whether to restart it (the tool env replays)."""
 
-    def __init__(self, limits: Limits, *, seed: int = 0):
-        self.limits, self.seed = limits, seed
+    def __init__(self, limits: Limits):
+        self.limits = limits
         self._sb: Sandbox | None = None
 
     @property
@@ -151,7 +150,7 @@ class Session:
     def cell_blocking(self, code: str) -> Verdict:
         if self._sb is None or not self._sb.alive:
             self.close()
-            self._sb = pool(self.limits).take(seed=self.seed)
+            self._sb = pool(self.limits).take()
         return _call(self._sb, code, "cell", "<cell>")
 
     async def cell(self, code: str) -> Verdict:

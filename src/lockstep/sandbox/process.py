@@ -52,7 +52,7 @@ def _rlimits(limits: Limits) -> dict[str, tuple[int, int]]:
 class Sandbox:
     """A started sandbox; the launcher in it waits for code. Not thread-safe: one call at a time."""
 
-    def __init__(self, limits: Limits, *, seed: int = 0):
+    def __init__(self, limits: Limits):
         check_available()
         self.limits, self.sandboxed, self.calls = limits, not unsafe(), 0
         self._tmp = None
@@ -65,7 +65,7 @@ class Sandbox:
             self._tmp = cwd = tempfile.mkdtemp(prefix="lockstep-unsafe-")
             if os.geteuid() == 0:
                 os.chown(cwd, SANDBOX_UID, SANDBOX_UID)
-        cfg = {"in": ctl_in_r, "out": ctl_out_w, "rlimits": _rlimits(limits), "seed": seed, "cwd": cwd,
+        cfg = {"in": ctl_in_r, "out": ctl_out_w, "rlimits": _rlimits(limits), "cwd": cwd,
                "reap": self.sandboxed}
         argv = [interpreter(), "-s", "-B", "-c", LAUNCHER, json.dumps(cfg)]
         env = dict(ENV, HOME=cwd)
