@@ -112,7 +112,7 @@ def test_only_model_written_tokens_are_trained(suite, tok):
               f"<answer>{builder.problem.answer}</answer>"]
     turns = []
 
-    async def sample(requests):
+    async def sample(requests, groups):
         text = script[len(turns)]
         turns.append(requests)
         ids = tuple(tok.encode(text))

@@ -26,7 +26,7 @@ def engine(builtin_dir):
 def roll(engine, builders, group_size, *, temperature=1.0, retries=1, timeout_s=5.0, seen=None, fork=(0, 1)):
     trainer, sampler = engine
 
-    async def sample(requests):
+    async def sample(requests, groups):
         if seen is not None:
             seen.append(requests)
         return sampler.sample(requests)

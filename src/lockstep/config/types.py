@@ -330,6 +330,20 @@ class ForkSpec:
 class RolloutSpec:
     speculative: SpeculativeSpec = field(default_factory=SpeculativeSpec)
     fork: ForkSpec = field(default_factory=ForkSpec)
+    replicas: int | str = 1
+    """Generator actors behind the router (a prompt group stays on one replica); "auto": as many
+    as the CPU budget gives (runtime/plan.py)."""
+    weight_sync: str = "rolling"
+    """How an asynchronous stage's new weights reach the replicas: "rolling" (one replica at a
+    time while the others sample) or "pause" (every replica held at a step boundary, swapped,
+    released: the fleet-wide pause most RL frameworks make). See runtime/fleet.py."""
+
+    def __post_init__(self) -> None:
+        _require(self.replicas == "auto" or (isinstance(self.replicas, int) and not isinstance(self.replicas, bool)
+                                             and 1 <= self.replicas <= 64),
+                 "rollout.replicas", 'an integer in [1, 64] or "auto"', self.replicas)
+        _require(self.weight_sync in ("rolling", "pause"), "rollout.weight_sync", '"rolling" or "pause"',
+                 self.weight_sync)
 
 
 @dataclass(frozen=True)

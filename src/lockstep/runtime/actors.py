@@ -210,15 +210,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@ray.remote(concurrency_groups={"weights": 1, "sample": 1})
+@ray.remote(concurrency_groups={"weights": 1, "sample": 1, "control": 1})
 class GeneratorActor:
     """Samples with the engine's sampler; accepts new weights while it decodes.
 
-    Two concurrency groups: `sample` runs one sampling call at a time (calls from several env
-    workers queue), `weights` runs `set_weights` / `stats` alongside it. `set_weights` only parks
-    the new version; the decode loop picks it up between steps, re-prefills its active rows under
-    the new weights, and tags later tokens with the new version. So every token's logprob is
-    exactly that of the version it records.
+    Three concurrency groups: `sample` runs one sampling call at a time (calls from several env
+    workers queue), `weights` runs `set_weights` / `stats` alongside it, and `control` the calls
+    that block until the decode loop reaches a point (`until_swapped`, `until_held`). `set_weights`
+    only parks the new version; the decode loop picks it up between steps, re-prefills its active
+    rows under the new weights, and tags later tokens with the new version. So every token's
+    logprob is exactly that of the version it records. A swap stalls this replica's decoding for
+    the re-prefill (and, in a fleet-wide pause, for the wait at the barrier): `stats()` reports
+    each stall (decoding stopped -> the next decode step).
     """
 
     def __init__(self, model_path: str, lora_rank: int, lora_alpha: float, threads: int, speculative=None):
@@ -234,26 +237,32 @@ class GeneratorActor:
         self.sampler = Sampler(trainer.model, trainer.tokenizer, drafter=drafter,
                                **(speculative.sampler_options() if speculative else {}))
         self._pending: tuple | None = None
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._sampling = self._hold = self._held = False
+        self._stall_from: float | None = None
         self.busy_s = 0.0
+        self.requests = 0
         self.swap_latency_s: list[float] = []
+        self.stalls_s: list[float] = []
         self.incarnation = uuid.uuid4().hex
         self.weights_lost = _reconstructed()
         """True after a restart until set_weights: the base weights are not the policy's."""
 
     @ray.method(concurrency_group="weights")
     def set_weights(self, version: int, weights: dict, published_at: float) -> None:
-        """Park weights for the next decode step. The controller waits on each call, so the last
+        """Park weights for the next decode step. The controller orders its calls, so the last
         call is always the newest weights (after a rollback to a checkpoint, a lower version)."""
-        with self._lock:
+        with self._cond:
             self._pending = (version, weights, published_at)
             self.weights_lost = False
+            self._cond.notify_all()
 
     def _apply_pending(self) -> bool:
         import torch
 
-        with self._lock:
+        with self._cond:
             pending, self._pending = self._pending, None
+            self._cond.notify_all()
         if pending is None or pending[0] == self.sampler.policy_version:
             return False
         version, weights, published_at = pending
@@ -265,16 +274,81 @@ class GeneratorActor:
         self.swap_latency_s.append(time.time() - published_at)
         return True
 
+    def _wait_out_hold(self) -> float | None:
+        """Block while a fleet-wide pause holds this replica; when it held, the time it stopped."""
+        with self._cond:
+            if not self._hold:
+                return None
+            stopped, self._held = time.perf_counter(), True
+            self._cond.notify_all()
+            while self._hold:
+                self._cond.wait()
+            self._held = False
+            return stopped
+
+    def _between_steps(self) -> bool:
+        """The decode loop's hook: close the last stall, wait out a pause, swap parked weights."""
+        now = time.perf_counter()
+        if self._stall_from is not None:  # the re-prefill after the last swap is done
+            self.stalls_s.append(now - self._stall_from)
+            self._stall_from = None
+        stopped = self._wait_out_hold()
+        swapped = self._apply_pending()
+        if swapped:
+            self._stall_from = stopped or now
+        elif stopped is not None:
+            self.stalls_s.append(time.perf_counter() - stopped)
+        return swapped
+
     @ray.method(concurrency_group="sample")
     def sample(self, requests: Sequence) -> list:
         """Engine SampleRequests -> SampleResults, under the newest weights (hot-swapped mid-call)."""
         if self.weights_lost:
             raise ActorRestarted("the generator was restarted and has not been given the policy's weights yet")
         t = time.perf_counter()
-        self._apply_pending()
-        results = self.sampler.sample(list(requests), between_steps=self._apply_pending)
-        self.busy_s += time.perf_counter() - t
-        return results
+        self.requests += len(requests)
+        with self._cond:
+            self._sampling = True
+        try:
+            stopped = self._wait_out_hold()  # a call that arrives during a pause waits it out
+            if stopped is not None:
+                self.stalls_s.append(time.perf_counter() - stopped)
+            self._apply_pending()  # nothing is decoding yet: no re-prefill, no stall
+            return self.sampler.sample(list(requests), between_steps=self._between_steps)
+        finally:
+            if self._stall_from is not None:  # swapped on the call's last step
+                self.stalls_s.append(time.perf_counter() - self._stall_from)
+                self._stall_from = None
+            with self._cond:
+                self._sampling = False
+                self._cond.notify_all()
+            self.busy_s += time.perf_counter() - t
+
+    def _until(self, ready, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(ready, timeout)
+
+    @ray.method(concurrency_group="control")
+    def until_swapped(self, timeout: float) -> bool:
+        """Return once parked weights are in use, or would be by the next call (not sampling)."""
+        return self._until(lambda: self._pending is None or not self._sampling, timeout)
+
+    @ray.method(concurrency_group="control")
+    def hold(self) -> None:
+        """Stop decoding at the next step boundary (and start no call) until release()."""
+        with self._cond:
+            self._hold = True
+
+    @ray.method(concurrency_group="control")
+    def until_held(self, timeout: float) -> bool:
+        """Return once this replica has stopped decoding for a hold (or is not sampling)."""
+        return self._until(lambda: self._held or not self._sampling, timeout)
+
+    @ray.method(concurrency_group="control")
+    def release(self) -> None:
+        with self._cond:
+            self._hold = False
+            self._cond.notify_all()
 
     @ray.method(concurrency_group="sample")
     def set_threads(self, n: int) -> None:
@@ -282,10 +356,11 @@ class GeneratorActor:
 
     @ray.method(concurrency_group="weights")
     def stats(self) -> dict:
-        lat = self.swap_latency_s
+        lat, stalls = self.swap_latency_s, self.stalls_s
         return {"version": self.sampler.policy_version, "busy_s": self.busy_s, "incarnation": self.incarnation,
                 "swap_latency_s_max": max(lat) if lat else 0.0, "swap_latency_s_last": lat[-1] if lat else 0.0,
-                "swaps": len(lat), "speculative": self.sampler.speculation_stats()}
+                "swaps": len(lat), "stalls": len(stalls), "stall_s_max": max(stalls) if stalls else 0.0,
+                "stall_s_sum": sum(stalls), "requests": self.requests, "speculative": self.sampler.speculation_stats()}
 
 
 def _log_envs_to(path: str) -> None:
@@ -314,30 +389,46 @@ class EnvWorker:
     (the run's envs.log; rate-limited, see episodes.RateLimitedLog).
     """
 
-    def __init__(self, tokenizer_dir: str, generator: str, *, retries: int, timeout_s: float, call_timeout_s: float,
-                 log_path: str | None = None):
-        """`generator` is the generator actor's name (a name, not a handle, so that Ray can
-        restart this actor without keeping constructor arguments in the object store)."""
+    def __init__(self, tokenizer_dir: str, generators: Sequence[str], *, retries: int, timeout_s: float,
+                 call_timeout_s: float, log_path: str | None = None):
+        """`generators` are the generator replicas' actor names (names, not handles, so that Ray
+        can restart this actor without keeping constructor arguments in the object store)."""
         from transformers import AutoTokenizer
 
         if log_path:
             _log_envs_to(log_path)
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        self.generator = ray.get_actor(generator)
+        self.generators = [ray.get_actor(name) for name in generators]
         self.retries, self.timeout_s, self.call_timeout_s = retries, timeout_s, call_timeout_s
         self.busy_s = 0.0
         self.incarnation = uuid.uuid4().hex
 
-    async def _sample(self, requests):
+    async def _sample(self, requests, replicas: Sequence[int]):
+        """Each request on its group's replica (the router's choice), the replicas concurrently;
+        the results in request order."""
         import asyncio
 
-        ref = self.generator.sample.remote(requests)
-        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.call_timeout_s)
+        by_replica: dict[int, list[int]] = {}
+        for i, r in enumerate(replicas):
+            by_replica.setdefault(r, []).append(i)
+        refs = {r: self.generators[r].sample.remote([requests[i] for i in idx]) for r, idx in by_replica.items()}
+        done = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(ref.future()) for ref in refs.values())),
+                                      self.call_timeout_s)
+        out: list = [None] * len(requests)
+        for idx, results in zip(by_replica.values(), done):
+            for i, result in zip(idx, results):
+                out[i] = result
+        return out
 
     async def rollout(self, request) -> list:
         """A RolloutRequest -> RolloutGroups with rewards, tokens, exact logprobs and versions."""
-        groups, env_s = await run_episodes(request, self.tokenizer, self._sample, retries=self.retries,
+        routes = request.routes or (0,) * len(request.group_ids)
+
+        async def sample(requests, groups):
+            return await self._sample(requests, [routes[g] for g in groups])
+
+        groups, env_s = await run_episodes(request, self.tokenizer, sample, retries=self.retries,
                                            timeout_s=self.timeout_s)
         self.busy_s += env_s
         return groups

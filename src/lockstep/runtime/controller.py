@@ -4,12 +4,12 @@
                  |
                  v
    +----------------------+  sample(requests), once per turn   +----------------------+
-   | GeneratorActor       |<-----------------------------------| EnvWorker pool       |
-   | KV cache, prefix     |----------------------------------->| episodes: env turns, |
-   | sharing, hot-swap    |  tokens + exact logprobs + version | rewards (retried)    |
+   | GeneratorActor xN    |<-----------------------------------| EnvWorker pool       |
+   | (fleet.py: a group   |----------------------------------->| episodes: env turns, |
+   | stays on 1 replica)  |  tokens + exact logprobs + version | rewards (retried)    |
    +----------^-----------+                                    +----------+-----------+
-              | weights v+1 (object store,                                | rollout groups
-              | zero-copy)                                                v
+              | weights v+1 (object store, zero-copy),                    | rollout groups
+              | rolled out one replica at a time                          v
    +----------+-----------+              +-----------------------------------------+
    | publish (version)    |              | ledger (issued -> generated -> rewarded  |
    +----------^-----------+              | -> trained | filtered) + clean(): stale, |
@@ -21,15 +21,17 @@
 Contract of the RL loop: it keeps up to `max_staleness + 1` rollout batches in flight (so with 0
 it is synchronous on-policy), consumes finished batches in order, waits only on the oldest, and
 trains whenever `prompts_per_step` clean groups are buffered. Every remote call has a deadline.
-Losing a generator or env worker costs only its work: a batch lost with it is replayed once Ray
-has restarted it, and a restarted generator is given the last published weights (whichever call
-noticed the loss: a rollout, a weight update, an evaluation, a stats read). A crashed trainer
-raises TrainerLost, and the run resumes from its last checkpoint.
+Losing a generator replica or env worker costs only its work: a batch lost with it is replayed
+once Ray has restarted it, and a restarted replica is given the last published weights (whichever
+call noticed the loss: a rollout, a weight update, an evaluation, a stats read); a replica out of
+restarts is dropped and the run goes on with the others. A crashed trainer raises TrainerLost,
+and the run resumes from its last checkpoint.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -37,61 +39,34 @@ import ray
 
 from lockstep.config.types import StageSpec
 from lockstep.monitor.trace import Timed
+from lockstep.runtime.calls import ComponentDead, ComponentError, is_component_loss, wait
 from lockstep.runtime.filters import FilterReport, clean, to_datums, too_stale
+from lockstep.runtime.fleet import GeneratorFleet
 from lockstep.runtime.ledger import Ledger
-from lockstep.runtime.types import ActorRestarted, RolloutGroup, RolloutRequest
+from lockstep.runtime.types import RolloutGroup, RolloutRequest
+
+log = logging.getLogger("lockstep.run")
 
 MAX_REFILL_BATCHES = 4
 """Dynamic sampling draws at most this many batches per step before completing the batch with
 zero-variance groups (zero advantage, so no gradient) rather than waiting forever."""
 
 
-class ComponentError(RuntimeError):
-    """A component failed or missed its deadline."""
-
-
-class ComponentDead(ComponentError):
-    """An actor died and Ray has no restarts left for it (runtime.max_restarts)."""
-
-
 class TrainerLost(RuntimeError):
     """The trainer crashed and Ray restarted it: its state since the last checkpoint is gone."""
-
-
-def is_component_loss(e: BaseException) -> bool:
-    """A call failed because an actor (possibly one it called) died or was restarting."""
-    seen = 0
-    if isinstance(e, ComponentDead):
-        return False
-    while e is not None and seen < 8:
-        if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ActorRestarted)):
-            return True
-        e, seen = getattr(e, "cause", None) or e.__cause__, seen + 1
-    return False
-
-
-def wait(ref, timeout: float, what: str):
-    """ray.get with a deadline: a hang or a dead actor becomes a clear error, never a stall."""
-    try:
-        return ray.get(ref, timeout=timeout)
-    except ray.exceptions.GetTimeoutError:
-        raise ComponentError(f"{what} did not answer within {timeout:.0f}s (runtime.call_timeout_s)") from None
-    except Exception as e:
-        if is_component_loss(e):
-            raise ComponentError(f"{what}: a component died ({e.__class__.__name__}); see the Ray worker logs") from e
-        raise
 
 
 @dataclass
 class Components:
     trainer: "ray.actor.ActorHandle"
-    generator: "ray.actor.ActorHandle"
+    fleet: GeneratorFleet
     envs: list
     timeout: float
     version: int = 0
     weights_ref: object = None
     threads: tuple[int, int] = (1, 1)
-    """(trainer, generator) torch threads, re-applied to a restarted actor."""
+    """(trainer, generator fleet) torch threads, re-applied to a restarted actor; the fleet's
+    threads are shared out over its live replicas."""
     incarnations: dict = field(default_factory=dict)
     env_turn: int = 0
     stats: dict = field(default_factory=lambda: collections.defaultdict(float))
@@ -103,34 +78,43 @@ class Components:
     """The run's SpanLog (monitor/trace.py), or None: where the loop's spans go."""
 
     def actors(self) -> dict:
-        return {"trainer": self.trainer, "generator": self.generator,
-                **{f"env{i}": e for i, e in enumerate(self.envs)}}
+        return {"trainer": self.trainer, **self.fleet.live(), **{f"env{i}": e for i, e in enumerate(self.envs)}}
 
-    def publish(self) -> None:
-        """Put the trainer's weights in the object store and point the generator at them."""
+    def publish(self, *, background: bool = False) -> None:
+        """Put the trainer's weights in the object store and hand them to the generator fleet:
+        with `background` (an asynchronous stage) rolled out replica by replica while the loop
+        goes on; otherwise parked on every replica before this returns."""
         with Timed(self.spans, "publish", "weights") as span:
-            self._publish()
+            version_ref, weights_ref = self.trainer.publish.remote()
+            self.version = wait(version_ref, self.timeout, "trainer.publish")
+            self.weights_ref = weights_ref
+            # Parking the weights is instant; waiting for it orders it before the next sample call
+            # (the weights group runs beside sampling), which keeps max_staleness=0 truly on-policy.
+            self._tell_fleet(lambda: self.fleet.publish(self.version, weights_ref, background=background))
             span.args["version"] = self.version
+        if self.fleet.stalls:  # rollout.weight_sync = "pause": how long each held the whole fleet
+            self.stats["weights/fleet_pauses"] = len(self.fleet.stalls)
+            self.stats["weights/fleet_pause_s_max"] = max(self.fleet.stalls)
 
-    def _publish(self) -> None:
-        version_ref, weights_ref = self.trainer.publish.remote()
-        self.version = wait(version_ref, self.timeout, "trainer.publish")
-        self.weights_ref = weights_ref
-        # Parking the weights is instant; waiting for it orders it before the next sample call
-        # (the weights group runs beside sampling), which keeps max_staleness=0 truly on-policy.
-        self._tell_generator(lambda: self.generator.set_weights.remote(self.version, weights_ref, time.time()),
-                             "generator.set_weights")
+    def settle(self) -> None:
+        """Every live replica on the newest published weights (a rolling update finished)."""
+        self._tell_fleet(self.fleet.settle)
+
+    def replica_threads(self) -> int:
+        return max(1, self.threads[1] // max(1, len(self.fleet.router.live)))
 
     def set_threads(self, trainer: int, generator: int) -> None:
         self.threads = (trainer, generator)
         wait(self.trainer.set_threads.remote(trainer), self.timeout, "trainer.set_threads")
-        self._tell_generator(lambda: self.generator.set_threads.remote(generator), "generator.set_threads")
+        n = self.replica_threads()
+        self._tell_fleet(lambda: wait([g.set_threads.remote(n) for g in self.fleet.live().values()], self.timeout,
+                                      "generator.set_threads"))
 
-    def _tell_generator(self, make_ref, what: str) -> None:
-        """Hand the generator a setting (weights, threads) already recorded here. If it died,
+    def _tell_fleet(self, call) -> None:
+        """Hand the fleet a setting (weights, threads) already recorded here. If a replica died,
         recover() gives its new incarnation every recorded setting, which is all the call was for."""
         try:
-            wait(make_ref(), self.timeout, what)
+            call()
         except ComponentError as e:
             if not is_component_loss(e):
                 raise
@@ -149,6 +133,21 @@ class Components:
             self.busy_before[name] = self.busy_before.get(name, 0.0) + last["busy_s"]
         self.last_stats[name] = s
         return {**s, "busy_s": s["busy_s"] + self.busy_before.get(name, 0.0)}
+
+    def generator_stat(self) -> dict:
+        """The fleet's stats: busy seconds per replica (mean), the oldest version any live replica
+        holds, the worst swap latency and stall, speculative counters summed over replicas."""
+        per = [self.stat(name) for name in list(self.fleet.live())]
+        spec: dict = {}
+        for s in per:
+            for k, v in s["speculative"].items():
+                spec[k] = min(spec.get(k, v), v) if k in ("draft_version", "draft_data_version") else spec.get(k, 0) + v
+        if "draft_loss" in spec:
+            spec["draft_loss"] /= len(per)
+        return {"version": min(s["version"] for s in per), "busy_s": sum(s["busy_s"] for s in per) / len(per),
+                "swap_latency_s_max": max(s["swap_latency_s_max"] for s in per),
+                "stall_s_max": max(s["stall_s_max"] for s in per), "stalls": sum(s["stalls"] for s in per),
+                "replicas": len(per), "requests": [s["requests"] for s in per], "speculative": spec}
 
     def ping(self, name: str) -> dict:
         """stats() of an actor, waiting while Ray restarts it; out of restarts is an error."""
@@ -171,19 +170,41 @@ class Components:
 
     def recover(self) -> None:
         """After a component loss: wait until Ray has restarted every actor, give a restarted
-        generator the last published weights, and raise TrainerLost if the trainer restarted.
-        An actor out of restarts raises ComponentError."""
-        now = {name: self.ping(name)["incarnation"] for name in self.actors()}
+        generator replica the last published weights, and raise TrainerLost if the trainer
+        restarted. A generator replica out of restarts is dropped while others are left (the
+        run degrades to them, with a warning); any other actor out of restarts raises."""
+        self._settle_quietly()
+        now = {}
+        for name in list(self.actors()):
+            try:
+                now[name] = self.ping(name)["incarnation"]
+            except ComponentDead:
+                if name not in self.fleet.names or len(self.fleet.router.live) == 1:
+                    raise
+                self.fleet.router.drop(self.fleet.index(name))
+                self.stats["runtime/generators_lost"] += 1
+                log.warning("%s is out of restarts: going on with %d generator replica(s)", name,
+                            len(self.fleet.router.live))
         restarted = [name for name in now if now[name] != self.incarnations.get(name)]
         self.stats["runtime/restarts"] += len(restarted)
         self.incarnations = now
         if "trainer" in restarted:
             raise TrainerLost("the trainer actor was restarted")
-        if "generator" in restarted:
-            wait(self.generator.set_threads.remote(self.threads[1]), self.timeout, "generator.set_threads")
-            if self.weights_ref is not None:
-                wait(self.generator.set_weights.remote(self.version, self.weights_ref, time.time()), self.timeout,
-                     "generator.set_weights")
+        for name in restarted:
+            if name in self.fleet.names:
+                g = self.actors()[name]
+                wait(g.set_threads.remote(self.replica_threads()), self.timeout, f"{name}.set_threads")
+                if self.weights_ref is not None:
+                    wait(g.set_weights.remote(self.version, self.weights_ref, time.time()), self.timeout,
+                         f"{name}.set_weights")
+
+    def _settle_quietly(self) -> None:
+        """Let a rolling update end before recovering; a replica it lost is what recover() is for."""
+        try:
+            self.fleet.settle()
+        except ComponentError as e:
+            if not is_component_loss(e):
+                raise
 
     def call(self, make_ref, what: str):
         """An idempotent call (evaluation, stats): retried once after recovering a lost component."""
@@ -226,15 +247,15 @@ class RLLoop:
         """(turn, branches) of episode forking (rollout.fork)."""
         pos = position or {}
         self.step, self.next_batch, self.next_index = pos.get("step", 0), pos.get("next_batch", 0), pos.get("next_index", 0)
-        self.calls = pos.get("calls", 0)
         self.in_flight: collections.deque = collections.deque()
         self.buffer: list[RolloutGroup] = []
         self.spare: list[RolloutGroup] = []
         self.refills = 0
         self._batches: dict[int, list] = {}
+        c.fleet.router.reset()  # a rollback abandons the batches an earlier loop had in flight
 
     def position(self) -> dict:
-        return {"step": self.step, "next_batch": self.next_batch, "next_index": self.next_index, "calls": self.calls}
+        return {"step": self.step, "next_batch": self.next_batch, "next_index": self.next_index}
 
     # -- Generate ----------------------------------------------------------------------------
     def builder(self, gid: str):
@@ -261,8 +282,7 @@ class RLLoop:
             ids = self._next_ids(s.prompts_per_step)
             self.ledger.issue(ids)
             req = RolloutRequest(tuple(ids), tuple(self.builder(g) for g in ids), s.group_size, s.temperature,
-                                 self.seed * 1_000_003 + self.calls, *self.fork)
-            self.calls += 1
+                                 self.seed, *self.fork, routes=self.c.fleet.router.assign(len(ids)))
             self.in_flight.append((self.c.rollout(req), req, time.time()))
 
     # -- Reward ------------------------------------------------------------------------------
@@ -279,6 +299,8 @@ class RLLoop:
             self.ledger.requeue(list(req.group_ids), "component_restart")
             self.c.recover()
             return None
+        finally:
+            self.c.fleet.router.release(req.routes)
         self.c.stats["wait_s"] += time.perf_counter() - t
         self.c.stats["tokens/sampled"] += sum(sum(x.sampled) if x.sampled else len(x.tokens) for g in groups for x in g.samples)
         ids = [g.group_id for g in groups]
@@ -384,7 +406,7 @@ def rl_stage(loop: RLLoop, on_step, should_stop) -> int:
             if is_component_loss(e):
                 c.recover()                       # raises TrainerLost: resume from checkpoint
             raise
-        c.publish()                               # Update: the generator swaps between decode steps
+        c.publish(background=loop.stage.max_staleness > 0)  # Update: rolled out over the generator replicas
         trained_at = c.version - 1                # the version the trainer held during this step
         on_step(loop.step, batch, metrics, {**report.counts(), **loop.queues(),
                                             **staleness_histogram(batch, trained_at, loop.stage.max_staleness)})

@@ -55,9 +55,11 @@ class RateLimitedLog:
 env_errors = RateLimitedLog(log)
 
 
-def request_seed(seed: int, turn: int, index: int) -> int:
-    """A sampling seed per (call, turn, request): distinct streams, no overlap between calls."""
-    digest = hashlib.blake2b(f"{seed}:{turn}:{index}".encode(), digest_size=8).digest()
+def request_seed(seed: int, group_id: str, turn: int, index: int) -> int:
+    """A sampling seed per (group, turn, request of the group): a group samples the same tokens
+    under the same weights whatever batch, replica or replay it comes in (so a replayed batch is
+    the batch it replaces), and distinct groups draw distinct streams."""
+    digest = hashlib.blake2b(f"{seed}:{group_id}:{turn}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2
 
 
@@ -156,12 +158,14 @@ async def _step(ep: Episode, action: tuple[int, ...], **kw) -> None:
         ep.failed = True
 
 
-def _requests(groups: list[list[Episode]], turn: int, base_seed: int, temperature: float):
-    """One SampleRequest per distinct observation per group; returns (requests, episodes per request)."""
+def _requests(groups: list[list[Episode]], ids, turn: int, base_seed: int, temperature: float):
+    """One SampleRequest per distinct observation per group; returns (requests, episodes per
+    request, group index per request)."""
     from lockstep.engine.types import SampleRequest, SamplingParams
 
-    requests, owners = [], []
-    for episodes in groups:
+    requests, owners, group_of = [], [], []
+    for g, episodes in enumerate(groups):
+        first = len(requests)
         by_obs: dict[tuple, list[Episode]] = {}
         for ep in episodes:
             if ep.live:
@@ -169,10 +173,11 @@ def _requests(groups: list[list[Episode]], turn: int, base_seed: int, temperatur
         for eps in by_obs.values():
             obs = eps[0].obs
             params = SamplingParams(max_tokens=obs.max_tokens, temperature=temperature, stop=obs.stop,
-                                    seed=request_seed(base_seed, turn, len(requests)))
+                                    seed=request_seed(base_seed, ids[g], turn, len(requests) - first))
             requests.append(SampleRequest(tuple(obs.tokens), params, num_samples=len(eps)))
             owners.append(eps)
-    return requests, owners
+            group_of.append(g)
+    return requests, owners, group_of
 
 
 def _fork(episodes: list[Episode], builder, tokenizer, branches: int) -> list[Episode]:
@@ -196,8 +201,9 @@ def _fork(episodes: list[Episode], builder, tokenizer, branches: int) -> list[Ep
 
 async def run_episodes(request: RolloutRequest, tokenizer, sample: Callable, *, retries: int,
                        timeout_s: float) -> tuple[list[RolloutGroup], float]:
-    """Roll out every group of `request`; `sample(requests)` is the generator. Returns the groups
-    and the seconds spent in env calls (not waiting for the generator)."""
+    """Roll out every group of `request`; `sample(requests, groups)` is the generator (`groups[i]`:
+    the index in `request` of the group request i belongs to). Returns the groups and the seconds
+    spent in env calls (not waiting for the generator)."""
     kw = {"retries": retries, "timeout_s": timeout_s}
     groups = [[Episode(env) for env in b.make_envs(request.group_size, tokenizer)] for b in request.builders]
     flat = [ep for g in groups for ep in g]
@@ -207,8 +213,8 @@ async def run_episodes(request: RolloutRequest, tokenizer, sample: Callable, *, 
     env_s = time.perf_counter() - env_s
     turn, generated_at = 0, time.time()
     while any(ep.live for ep in flat):
-        requests, owners = _requests(groups, turn, request.seed, request.temperature)
-        results = await sample(requests)
+        requests, owners, group_of = _requests(groups, request.group_ids, turn, request.seed, request.temperature)
+        results = await sample(requests, group_of)
         generated_at = time.time()
         stepping = []
         for eps, result in zip(owners, results):

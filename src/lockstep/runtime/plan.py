@@ -24,16 +24,29 @@ class Plan:
     trainer_replicas: int = 1
     """Trainer processes (data parallel); each takes `trainer_cpus`."""
     micro_batches: int = 1
+    generator_replicas: int = 1
+    """Generator actors behind the router; each takes `generator_cpus`."""
+    weight_sync: str = "rolling"
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
+AUTO_CPUS_PER_GENERATOR = 4
+"""rollout.replicas = "auto": one generator replica per this many CPUs of the budget (a replica's
+decode steps use a few threads well; more go to a second replica's batch)."""
+
+
+def generator_replicas(spec: RunSpec, budget: int) -> int:
+    n = spec.rollout.replicas
+    return max(1, budget // AUTO_CPUS_PER_GENERATOR) if n == "auto" else n
+
+
 def make_plan(spec: RunSpec) -> Plan:
     r = spec.runtime
     budget = r.cpus or os.cpu_count() or 2
-    replicas = spec.train.replicas
-    share = budget / (1 + replicas + 0.25 * r.env_workers)  # each trainer replica, the generator, the envs
+    replicas, generators = spec.train.replicas, generator_replicas(spec, budget)
+    share = budget / (generators + replicas + 0.25 * r.env_workers)  # each replica of both, the envs
     stages = []
     for s in spec.stages:
         if s.kind == "sft":
@@ -46,4 +59,5 @@ def make_plan(spec: RunSpec) -> Plan:
                            "loss": s.loss, "advantage": s.advantage, "learning_rate": s.learning_rate,
                            "max_seconds": s.max_seconds})
     return Plan(r.ray_address, budget, round(share, 3), round(share, 3), round(0.25 * share, 3),
-                r.trainer_threads, r.generator_threads, tuple(stages), replicas, spec.train.micro)
+                r.trainer_threads, r.generator_threads, tuple(stages), replicas, spec.train.micro, generators,
+                spec.rollout.weight_sync)

@@ -18,6 +18,7 @@ import ray
 
 from lockstep.config import ConfigError, RunSpec
 from lockstep.runtime import controller as ctl
+from lockstep.runtime.fleet import GeneratorFleet, replica_name
 from lockstep.runtime.plan import Plan, make_plan
 from lockstep.runtime.rundir import PREEMPT, Preempted, actor_name, latest_checkpoint, log, resume_checkpoint
 from lockstep.runtime.stages import Run
@@ -96,13 +97,15 @@ def build(spec: RunSpec, plan: Plan, model_path: str, run_dir: Path) -> ctl.Comp
     trainer = TrainerActor.options(num_cpus=plan.trainer_cpus, name=name("trainer"), **opts).remote(
         model_path, m.lora_rank, m.lora_alpha, r.trainer_threads, m.train_experts, plan.trainer_replicas,
         plan.micro_batches, plan.trainer_cpus)
-    generator = GeneratorActor.options(num_cpus=plan.generator_cpus, name=name("generator"), **opts).remote(
+    generators = [GeneratorActor.options(num_cpus=plan.generator_cpus, name=name(replica_name(i)), **opts).remote(
         model_path, m.lora_rank, m.lora_alpha, r.generator_threads, spec.rollout.speculative)
+        for i in range(plan.generator_replicas)]
+    fleet = GeneratorFleet(generators, r.call_timeout_s, plan.weight_sync)
     envs = [EnvWorker.options(num_cpus=plan.env_cpus, name=name(f"env{i}"), **opts).remote(
-        model_path, name("generator"), retries=spec.env.retries, timeout_s=spec.env.timeout_s, call_timeout_s=r.call_timeout_s,
-        log_path=str(run_dir / "envs.log"))
+        model_path, [name(n) for n in fleet.names], retries=spec.env.retries, timeout_s=spec.env.timeout_s,
+        call_timeout_s=r.call_timeout_s, log_path=str(run_dir / "envs.log"))
         for i in range(r.env_workers)]
-    c = ctl.Components(trainer, generator, envs, r.call_timeout_s)
+    c = ctl.Components(trainer, fleet, envs, r.call_timeout_s)
     c.note_incarnations()  # also surfaces start-up errors early
     return c
 
@@ -156,5 +159,6 @@ def run(spec: RunSpec, run_dir: Path, progress=lambda *a, **k: None, *, resume: 
         r.start(ckpt)
         return _execute_with_rollbacks(r, c)
     finally:
-        for actor in c.actors().values():
+        c.fleet.close()
+        for actor in [c.trainer, *c.fleet.replicas, *c.envs]:
             ray.kill(actor)

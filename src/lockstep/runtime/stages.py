@@ -87,15 +87,22 @@ class Run(RunDirectory):
 
     # -- measurements ------------------------------------------------------------------------
     def _busy(self) -> tuple[float, float]:
-        return self.c.stat("generator")["busy_s"], self.c.stat("trainer")["busy_s"]
+        return self.c.generator_stat()["busy_s"], self.c.stat("trainer")["busy_s"]
 
     def _rollout_all(self, group_size: int, temperature: float) -> list:
-        """The held-out set, spread over the env workers, under the newest published weights."""
-        envs, b = self.c.envs, self.heldout
+        """The held-out set, spread over the env workers and the generator replicas, under the
+        newest published weights (a rolling update is let finish first)."""
+        self.c.settle()
+        envs, b, router = self.c.envs, self.heldout, self.c.fleet.router
         chunks = [b[i :: len(envs)] for i in range(len(envs))]
-        reqs = [RolloutRequest(tuple(x.group_id for x in ch), tuple(ch), group_size, temperature, 12345)
+        reqs = [RolloutRequest(tuple(x.group_id for x in ch), tuple(ch), group_size, temperature, 12345,
+                               routes=router.assign(len(ch)))
                 for ch in chunks if ch]
-        results = self.c.call(lambda: [e.rollout.remote(r) for e, r in zip(envs, reqs)], "evaluation")
+        try:
+            results = self.c.call(lambda: [e.rollout.remote(r) for e, r in zip(envs, reqs)], "evaluation")
+        finally:
+            for r in reqs:
+                router.release(r.routes)
         return [g for groups in results for g in groups]
 
     def evaluate(self, stage: str, *, pass_k: int = 0) -> float:
@@ -134,8 +141,9 @@ class Run(RunDirectory):
         self.c.set_threads(trainer, generator)
         replicas = self.c.stat("trainer").get("replicas", 1)  # as the trainer counts its own processes
         self.metrics.log(self.pos["global_step"], {"placement/trainer_threads": trainer,
-                                                   "placement/generator_threads": generator,
-                                                   "placement/trainer_replicas": replicas})
+                                                   "placement/generator_threads": self.c.replica_threads(),
+                                                   "placement/trainer_replicas": replicas,
+                                                   "placement/generator_replicas": len(self.c.fleet.router.live)})
 
     def rebalance(self, balancer: ThreadBalancer, window: dict) -> None:
         """End a window of REBALANCE_EVERY steps: log how busy each stage was and the step rate,
@@ -263,8 +271,9 @@ class Run(RunDirectory):
             self.pos["global_step"] += 1
             self.pos["stage_step"], self.pos["stage_elapsed"] = step, time.time() - started
             record = self._rl_record(index, batch, metrics, counts, now - state["last"])
-            gen = self.c.stat("generator")
-            record.update({"policy/trainer_version": self.c.version, "policy/generator_version": gen["version"]})
+            gen = self.c.generator_stat()
+            record.update({"policy/trainer_version": self.c.version, "policy/generator_version": gen["version"],
+                           "weights/stall_max_s": gen["stall_s_max"], "rollout/replicas": gen["replicas"]})
             record.update(self._speculative_record(state, gen))
             self.c.stats["tokens/trained"] += sum(len(g.prompt) + len(x.tokens) for g in batch for x in g.samples)
             state["last"] = now
@@ -292,7 +301,7 @@ class Run(RunDirectory):
     def finish(self) -> dict:
         self.save_final()
         c, p = self.c, self.pos
-        gen, tr = c.stat("generator"), c.stat("trainer")
+        gen, tr = c.generator_stat(), c.stat("trainer")
         wall = time.time() - self.t0
         accs = dict(p["accs"])
         accs.setdefault("eval_accuracy_after_sft", accs["eval_accuracy_start"])
@@ -302,7 +311,8 @@ class Run(RunDirectory):
                    "evals": p["evals"],
                    **({f"eval_pass@{self.spec.env.pass_k}_final": pass_k[-1][f"pass@{self.spec.env.pass_k}"]} if pass_k else {}),
                    "generator_busy_fraction": gen["busy_s"] / wall, "trainer_busy_fraction": tr["busy_s"] / wall,
-                   "weight_swap_latency_s_max": gen["swap_latency_s_max"], "counters": dict(c.stats),
+                   "weight_swap_latency_s_max": gen["swap_latency_s_max"], "generator_stall_s_max": gen["stall_s_max"],
+                   "generator_replicas": gen["replicas"], "generator_requests": gen["requests"], "counters": dict(c.stats),
                    "ledger": self.ledger.counts(), "stages": p["stage_rows"],
                    "data": {k: vars(v) for k, v in self.suite.data_reports.items()}}
         self.write_summary(summary)

@@ -75,11 +75,14 @@ class RolloutRequest:
     group_size: int
     temperature: float
     seed: int
-    """Per-request sampling seeds derive from (seed, turn, request index): reproducible and
-    independent of other batches."""
+    """Sampling seeds derive from (seed, group id, turn, request index within the group): a
+    group's tokens do not depend on its batch, its replica or whether it is a replay."""
     fork_turn: int = 0
     """Fork each episode still running after this many turns into `fork_branches` (0: never)."""
     fork_branches: int = 1
+    routes: tuple[int, ...] = ()
+    """The generator replica of each group (the router's choice: all of a group's turns go to one
+    replica, which shares its prompt's prefill); empty: replica 0."""
 
 
 class ActorRestarted(RuntimeError):

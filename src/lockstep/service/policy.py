@@ -72,6 +72,8 @@ class Limits:
     max_train_replicas: int = 4
     """train.replicas (trainer processes of a job)."""
     max_micro_batches: int = 256
+    max_rollout_replicas: int = 4
+    """rollout.replicas (generator processes of a job)."""
     max_fork_branches: int = 8
     """rollout.fork.branches (continuations per forked episode)."""
     max_sandbox_wall_s: float = 60.0
@@ -185,6 +187,7 @@ _CAPS = (  # (cap, the spec fields it bounds)
     ("max_tokens", ("env.max_tokens",)), ("max_turns", ("env.max_turns",)), ("max_env_retries", ("env.retries",)),
     ("max_lora_rank", ("model.lora_rank",)), ("max_fork_branches", ("rollout.fork.branches",)),
     ("max_train_replicas", ("train.replicas",)), ("max_micro_batches", ("train.micro_batches",)),
+    ("max_rollout_replicas", ("rollout.replicas",)),
     *((f"max_sandbox_{name}", (f"env.sandbox.{name}",)) for name in (
         "wall_s", "cpu_s", "memory_mb", "processes", "file_size_mb", "open_files", "output_kb", "tmpfs_mb")),
 )
@@ -272,6 +275,8 @@ def _check_caps(d: dict, limits: Limits) -> None:
         limit = getattr(limits, cap)
         for f in fields:
             for path, value in _values(d, f):
+                if value == "auto":  # rollout.replicas: resolved within the job's CPU share (runtime/plan.py)
+                    continue
                 if value > limit:
                     raise _over(path, value, cap, limit)
 

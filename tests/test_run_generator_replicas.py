@@ -1,0 +1,174 @@
+"""`lockstep run rollout.replicas=N`: generator replicas behind the router (runtime/fleet.py).
+
+A synchronous run is bit for bit the same for any number of replicas; an asynchronous run rolls
+each new version out replica by replica and keeps the staleness bound and exact logprobs; a
+replica that crashes is restarted and its groups replayed, and one out of restarts is dropped
+while the run goes on with the others.
+"""
+
+import json
+import threading
+import time
+
+import pytest
+import ray
+from safetensors.numpy import load_file
+
+from lockstep.config import load
+from lockstep.runtime.fleet import Router
+from lockstep.runtime.ledger import audit
+from lockstep.runtime.run import actor_name, run
+
+RL = ["stages=[{kind = 'rl', steps = 6, prompts_per_step = 4, group_size = 4, eval_every = 100, learning_rate = 3e-4, "
+      "max_seconds = 0, target_accuracy = 0.0, max_staleness = %d}]", "env.num_heldout=8", "env.pass_k=0",
+      "runtime.checkpoint_every=0", "seed=5"]
+
+
+def rl_spec(model: str, staleness: int, *extra: str):
+    return load(None, [RL[0] % staleness, *RL[1:], f"model.path='{model}'", *extra])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session():
+    yield
+    ray.shutdown()
+
+
+def records(d):
+    return [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+
+
+def rl_records(d):
+    return [r for r in records(d) if "rollout/reward_mean" in r]
+
+
+def check_exactly_once(d, steps: int, prompts: int = 4):
+    """Every trained group trained once, each step a full batch, nothing left pending."""
+    led = audit(d / "ledger.jsonl")
+    assert led.pending() == []
+    assert sorted(led.trained_step.values()) == sorted(s for s in range(1, steps + 1) for _ in range(prompts))
+    return led
+
+
+def weights(d):
+    return load_file(str(d / "checkpoints" / "final" / "model.safetensors"))
+
+
+def test_the_router_keeps_groups_even_and_skips_dropped_replicas():
+    r = Router(3)
+    assert r.assign(4) == (0, 1, 2, 0)
+    r.release((1, 2))
+    assert r.assign(3) == (1, 2, 1)  # the least loaded first, ties to the lowest index
+    r.drop(1)
+    assert set(r.assign(6)) == {0, 2}
+    r.reset()
+    assert r.assign(2) == (0, 2)
+    r.drop(0), r.drop(2)
+    with pytest.raises(RuntimeError, match="no generator replica is left"):
+        r.assign(1)
+
+
+def test_two_generator_replicas_equal_one_bit_for_bit(tmp_path, warm_dir):
+    """Synchronous RL from a warmed-up model (rewards vary, so every step has a gradient): the
+    replicas share out the groups, and the run is the one-replica run, bit for bit."""
+    runs = {}
+    for n in (1, 2):
+        runs[n] = tmp_path / f"g{n}"
+        summary = run(rl_spec(warm_dir, 0, f"rollout.replicas={n}"), runs[n])
+        ray.shutdown()
+        assert summary["generator_replicas"] == n
+        assert len(summary["generator_requests"]) == n and min(summary["generator_requests"]) > 0
+        check_exactly_once(runs[n], 6)
+    one, two = weights(runs[1]), weights(runs[2])
+    assert one.keys() == two.keys() and all((one[k] == two[k]).all() for k in one)
+    a, b = rl_records(runs[1]), rl_records(runs[2])
+    assert [r["rollout/reward_mean"] for r in a] == [r["rollout/reward_mean"] for r in b]
+    assert any(r["train/grad_norm"] > 0 for r in b)
+    assert {r["rollout/replicas"] for r in b} == {2}
+    assert all(r["mismatch/abs_max"] == 0.0 for r in b)
+
+
+@pytest.mark.parametrize("sync", ["rolling", "pause"])
+def test_an_async_run_over_two_replicas_keeps_the_staleness_bound_and_exact_logprobs(tmp_path, warm_dir, sync):
+    d = tmp_path / "run"
+    summary = run(rl_spec(warm_dir, 1, "rollout.replicas=2", f"rollout.weight_sync='{sync}'",
+                          "stages.0.steps=8"), d)
+    rl = rl_records(d)
+    assert len(rl) == 8 and summary["generator_replicas"] == 2 and min(summary["generator_requests"]) > 0
+    for r in rl:  # the bound holds across replicas, for every trained sample
+        hist = {int(k.split("/")[1]): v for k, v in r.items() if k.startswith("staleness/")}
+        assert sum(hist.values()) == 4 * 4 and max(hist) <= 1
+    # A step of fresh samples only: the trainer recomputes exactly the sampler's logprobs, so the
+    # version each token records is the one it was sampled under, whatever replica sampled it.
+    fresh = [r for r in rl if r["rollout/staleness_max"] == 0]
+    assert all(r["mismatch/abs_max"] == 0.0 for r in fresh)
+    assert all(r["mismatch/abs_max"] > 0.0 for r in rl if r not in fresh)  # the others were off-policy
+    # A replica is never more than one version behind the trainer when a step is logged.
+    assert all(r["policy/trainer_version"] - r["policy/generator_version"] <= 1 for r in rl)
+    check_exactly_once(d, 8)
+    if sync == "pause":
+        assert summary["counters"]["weights/fleet_pauses"] >= 7  # one per publication after the first step
+
+
+def run_and_kill_replica(tmp_path, model, *extra, role="generator1"):
+    """Run in a thread; after the second RL step, kill one generator replica."""
+    from lockstep.runtime.plan import make_plan
+    from lockstep.runtime.run import start_ray
+
+    d = tmp_path / "run"
+    spec = rl_spec(model, 0, "rollout.replicas=2", "stages.0.steps=8", *extra)
+    # Ray started from this (the main) thread: the GCS and raylet it starts die with the thread
+    # that started them (PR_SET_PDEATHSIG follows the thread), which must outlive the run's.
+    start_ray(make_plan(spec))
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(summary=run(spec, d)))
+    thread.start()
+    deadline = time.time() + 180
+    while time.time() < deadline and not out:
+        if (d / "metrics.jsonl").exists() and len(rl_records(d)) >= 2:
+            ray.kill(ray.get_actor(actor_name(d, role)), no_restart=False)
+            break
+        time.sleep(0.01)
+    thread.join(timeout=300)
+    assert "summary" in out, "the run did not finish after the replica was killed"
+    return d, out["summary"]
+
+
+def test_a_crashed_replica_is_restarted_and_its_groups_replayed(tmp_path, warm_dir):
+    reference = tmp_path / "reference"
+    run(rl_spec(warm_dir, 0, "rollout.replicas=2", "stages.0.steps=8"), reference)
+    ray.shutdown()
+    d, summary = run_and_kill_replica(tmp_path, warm_dir)
+    assert summary["counters"]["runtime/restarts"] >= 1 and summary["generator_replicas"] == 2
+    led = check_exactly_once(d, 8)
+    assert max(led.attempts.values()) >= 2  # the lost batch was replayed
+    got, want = weights(d), weights(reference)
+    assert all((got[k] == want[k]).all() for k in want)  # the replay changed nothing
+
+
+def test_a_replica_out_of_restarts_is_dropped_and_the_run_goes_on(tmp_path, warm_dir, caplog):
+    with caplog.at_level("WARNING", logger="lockstep.run"):
+        d, summary = run_and_kill_replica(tmp_path, warm_dir, "runtime.max_restarts=0")
+    assert summary["counters"]["runtime/generators_lost"] == 1 and summary["generator_replicas"] == 1
+    assert "generator1 is out of restarts: going on with 1 generator replica(s)" in caplog.text
+    check_exactly_once(d, 8)
+    assert rl_records(d)[-1]["rollout/replicas"] == 1
+
+
+def test_generator_replica_settings_are_checked_and_capped_for_jobs():
+    from lockstep.config import ConfigError
+    from lockstep.runtime.plan import make_plan
+    from lockstep.service.policy import Limits, check_spec
+    from lockstep.service.types import ServiceError
+
+    with pytest.raises(ConfigError, match=r'rollout.replicas: expected an integer in \[1, 64\] or "auto"'):
+        load(None, ["rollout.replicas=0"])
+    with pytest.raises(ConfigError, match='rollout.weight_sync: expected "rolling" or "pause"'):
+        load(None, ["rollout.weight_sync='sometimes'"])
+    with pytest.raises(ServiceError, match="rollout.replicas = 9 is over this server's cap max_rollout_replicas = 4"):
+        check_spec({"rollout": {"replicas": 9}}, Limits())
+    assert check_spec({"rollout": {"replicas": "auto"}}, Limits()).rollout.replicas == "auto"
+    plan = make_plan(load(None, ["rollout.replicas=2", "runtime.cpus=4"]))
+    assert plan.generator_replicas == 2 and plan.generator_cpus == plan.trainer_cpus
+    assert make_plan(load(None, ["rollout.replicas='auto'", "runtime.cpus=8"])).generator_replicas == 2
+    assert make_plan(load(None, ["rollout.replicas='auto'", "runtime.cpus=2"])).generator_replicas == 1
