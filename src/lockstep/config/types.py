@@ -365,8 +365,13 @@ class RuntimeSpec:
     max_restarts: int = 3
     """Times Ray restarts a crashed actor; its in-flight groups are replayed (a crashed trainer
     resumes from the last checkpoint)."""
+    placement: str = "pack"
+    """"pack": wherever Ray schedules the actors; "spread": the trainer on the Ray head node, the
+    generator replicas and env workers over the other nodes, each preferring its node (soft
+    affinity: an actor whose node is lost is restarted on a node left)."""
 
     def __post_init__(self) -> None:
+        _require(self.placement in ("pack", "spread"), "runtime.placement", '"pack" or "spread"', self.placement)
         _require(isinstance(self.cpus, int) and self.cpus >= 0, "runtime.cpus", "an integer >= 0", self.cpus)
         for name in ("generator_threads", "trainer_threads", "env_workers"):
             v = getattr(self, name)

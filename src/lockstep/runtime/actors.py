@@ -31,6 +31,11 @@ def _set_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def _node() -> str:
+    """The Ray node this actor runs on (its id), as placement metrics report it."""
+    return ray.get_runtime_context().get_node_id()
+
+
 def _reconstructed() -> bool:
     """Whether Ray restarted this actor: whatever the controller had given it is gone."""
     return ray.get_runtime_context().was_current_actor_reconstructed
@@ -170,7 +175,7 @@ class TrainerActor:
 
     def stats(self) -> dict:
         return {"version": self.trainer.step, "busy_s": self.busy_s, "incarnation": self.incarnation,
-                "replicas": 1 + len(self.helpers)}
+                "replicas": 1 + len(self.helpers), "node": _node()}
 
 
 @ray.remote
@@ -360,7 +365,8 @@ class GeneratorActor:
         return {"version": self.sampler.policy_version, "busy_s": self.busy_s, "incarnation": self.incarnation,
                 "swap_latency_s_max": max(lat) if lat else 0.0, "swap_latency_s_last": lat[-1] if lat else 0.0,
                 "swaps": len(lat), "stalls": len(stalls), "stall_s_max": max(stalls) if stalls else 0.0,
-                "stall_s_sum": sum(stalls), "requests": self.requests, "speculative": self.sampler.speculation_stats()}
+                "stall_s_sum": sum(stalls), "requests": self.requests, "node": _node(),
+                "speculative": self.sampler.speculation_stats()}
 
 
 def _log_envs_to(path: str) -> None:
@@ -434,4 +440,4 @@ class EnvWorker:
         return groups
 
     def stats(self) -> dict:
-        return {"busy_s": self.busy_s, "incarnation": self.incarnation}
+        return {"busy_s": self.busy_s, "incarnation": self.incarnation, "node": _node()}

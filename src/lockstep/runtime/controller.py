@@ -68,6 +68,8 @@ class Components:
     """(trainer, generator fleet) torch threads, re-applied to a restarted actor; the fleet's
     threads are shared out over its live replicas."""
     incarnations: dict = field(default_factory=dict)
+    nodes: dict = field(default_factory=dict)
+    """Per actor, the id of the Ray node it runs on (as last seen)."""
     env_turn: int = 0
     stats: dict = field(default_factory=lambda: collections.defaultdict(float))
     busy_before: dict = field(default_factory=dict)
@@ -165,8 +167,9 @@ class Components:
                 raise ComponentError(f"{name}.stats did not answer within {self.timeout:.0f}s") from None
 
     def note_incarnations(self) -> None:
-        self.incarnations = {name: wait(a.stats.remote(), self.timeout, f"{name}.stats")["incarnation"]
-                             for name, a in self.actors().items()}
+        stats = {name: wait(a.stats.remote(), self.timeout, f"{name}.stats") for name, a in self.actors().items()}
+        self.incarnations = {name: s["incarnation"] for name, s in stats.items()}
+        self.nodes = {name: s["node"] for name, s in stats.items()}
 
     def recover(self) -> None:
         """After a component loss: wait until Ray has restarted every actor, give a restarted
@@ -174,10 +177,11 @@ class Components:
         restarted. A generator replica out of restarts is dropped while others are left (the
         run degrades to them, with a warning); any other actor out of restarts raises."""
         self._settle_quietly()
-        now = {}
+        now, nodes = {}, {}
         for name in list(self.actors()):
             try:
-                now[name] = self.ping(name)["incarnation"]
+                s = self.ping(name)
+                now[name], nodes[name] = s["incarnation"], s["node"]
             except ComponentDead:
                 if name not in self.fleet.names or len(self.fleet.router.live) == 1:
                     raise
@@ -187,7 +191,12 @@ class Components:
                             len(self.fleet.router.live))
         restarted = [name for name in now if now[name] != self.incarnations.get(name)]
         self.stats["runtime/restarts"] += len(restarted)
-        self.incarnations = now
+        moved = [name for name in restarted if self.nodes.get(name, nodes[name]) != nodes[name]]
+        if moved:  # their node was lost: the run goes on with the capacity left
+            self.stats["runtime/actors_moved"] += len(moved)
+            log.warning("%s restarted on another node (node %s lost?): the run goes on with the nodes left",
+                        ", ".join(moved), ", ".join(sorted({self.nodes[n][:12] for n in moved})))
+        self.incarnations, self.nodes = now, nodes
         if "trainer" in restarted:
             raise TrainerLost("the trainer actor was restarted")
         for name in restarted:

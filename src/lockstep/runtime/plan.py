@@ -27,6 +27,7 @@ class Plan:
     generator_replicas: int = 1
     """Generator actors behind the router; each takes `generator_cpus`."""
     weight_sync: str = "rolling"
+    placement: str = "pack"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -60,4 +61,4 @@ def make_plan(spec: RunSpec) -> Plan:
                            "max_seconds": s.max_seconds})
     return Plan(r.ray_address, budget, round(share, 3), round(share, 3), round(0.25 * share, 3),
                 r.trainer_threads, r.generator_threads, tuple(stages), replicas, spec.train.micro, generators,
-                spec.rollout.weight_sync)
+                spec.rollout.weight_sync, r.placement)

@@ -88,20 +88,37 @@ def start_ray(plan: Plan) -> None:
     raylocal.init(plan.ray_address or "", runtime_env=env, log_to_driver=False, num_cpus=plan.num_cpus)
 
 
+def spread(plan: Plan) -> tuple[dict, list[dict]]:
+    """Ray options placing the trainer on the head node and the generator side on the others
+    (round robin; the head too when it is alone), as soft node affinity: Ray restarts an actor
+    whose node is lost on any node left instead of waiting for that node forever."""
+    if plan.placement != "spread":
+        return {}, [{}]
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    head = next((n for n in nodes if "node:__internal_head__" in n["Resources"]), nodes[0])
+    others = [n for n in nodes if n is not head] or [head]
+    on = lambda n: {"scheduling_strategy": NodeAffinitySchedulingStrategy(n["NodeID"], soft=True)}  # noqa: E731
+    return on(head), [on(n) for n in others]
+
+
 def build(spec: RunSpec, plan: Plan, model_path: str, run_dir: Path) -> ctl.Components:
     from lockstep.runtime.actors import EnvWorker, GeneratorActor, TrainerActor
 
     m, r = spec.model, spec.runtime
     opts = {"max_restarts": r.max_restarts, "max_task_retries": 0}
     name = lambda role: actor_name(run_dir, role)  # noqa: E731
-    trainer = TrainerActor.options(num_cpus=plan.trainer_cpus, name=name("trainer"), **opts).remote(
+    head, others = spread(plan)
+    trainer = TrainerActor.options(num_cpus=plan.trainer_cpus, name=name("trainer"), **opts, **head).remote(
         model_path, m.lora_rank, m.lora_alpha, r.trainer_threads, m.train_experts, plan.trainer_replicas,
         plan.micro_batches, plan.trainer_cpus)
-    generators = [GeneratorActor.options(num_cpus=plan.generator_cpus, name=name(replica_name(i)), **opts).remote(
+    generators = [GeneratorActor.options(num_cpus=plan.generator_cpus, name=name(replica_name(i)), **opts,
+                                         **others[i % len(others)]).remote(
         model_path, m.lora_rank, m.lora_alpha, r.generator_threads, spec.rollout.speculative)
         for i in range(plan.generator_replicas)]
     fleet = GeneratorFleet(generators, r.call_timeout_s, plan.weight_sync)
-    envs = [EnvWorker.options(num_cpus=plan.env_cpus, name=name(f"env{i}"), **opts).remote(
+    envs = [EnvWorker.options(num_cpus=plan.env_cpus, name=name(f"env{i}"), **opts, **others[i % len(others)]).remote(
         model_path, [name(n) for n in fleet.names], retries=spec.env.retries, timeout_s=spec.env.timeout_s,
         call_timeout_s=r.call_timeout_s, log_path=str(run_dir / "envs.log"))
         for i in range(r.env_workers)]
