@@ -1,4 +1,4 @@
-"""The `lockstep` command: a thin layer over the library (run | check)."""
+"""The `lockstep` command: a thin layer over the library (run | plan | check | ...)."""
 
 from __future__ import annotations
 
@@ -134,8 +134,14 @@ def _cmd_run(args) -> int:
     console = Console()
     if args.dry_run:
         from lockstep.config import to_dict
+        from lockstep.planner import PlanRefused
 
-        print(json.dumps({"config": to_dict(spec), "plan": plan.as_dict()}, indent=2))
+        try:
+            strategy = _dry_run_strategy(spec)
+        except PlanRefused as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps({"config": to_dict(spec), "plan": plan.as_dict(), "strategy": strategy}, indent=2))
         return 0
     from lockstep.runtime.run import run
 
@@ -179,6 +185,49 @@ def _cmd_run(args) -> int:
         f" -> final {summary['eval_accuracy_final']:.2f} in {summary['wall_seconds']:.0f}s; "
         f"report: {run_dir}/report.html"
     )
+    return 0
+
+
+def _dry_run_strategy(spec) -> dict:
+    """The planner's strategy for this machine; a config whose counts cannot fit raises PlanRefused.
+    Where the planner lacks an input (a data-dependent prompt length, a model it cannot read) the
+    strategy says so rather than failing a dry run that used to pass."""
+    from lockstep.planner import PlanRefused, plan_run
+    from lockstep.planner.report import as_json
+    from lockstep.planner.shapes import spec_workload
+
+    try:
+        work = spec_workload(spec)
+        strategy = plan_run(spec)
+    except PlanRefused as e:
+        if e.resource in ("workload", "model"):
+            return {"skipped": str(e)}
+        raise
+    return as_json(strategy, work)
+
+
+def _cmd_plan(args) -> int:
+    from rich.console import Console
+
+    from lockstep.config import load
+    from lockstep.planner import PlanRefused, cpu_cluster, parse_gpus, plan_run
+    from lockstep.planner.report import as_json, table
+    from lockstep.planner.shapes import spec_workload
+
+    spec = load(args.config, args.overrides)
+    try:
+        if args.gpus and args.cpus:
+            raise PlanRefused("devices", "pass --gpus KIND:COUNT or --cpus N, not both")
+        cluster = parse_gpus(args.gpus) if args.gpus else cpu_cluster(args.cpus) if args.cpus is not None else None
+        work = spec_workload(spec, prompt=args.prompt_tokens)
+        strategy = plan_run(spec, cluster, model_config=args.model_config, prompt_tokens=args.prompt_tokens)
+    except PlanRefused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(as_json(strategy, work), indent=2))
+    else:
+        Console().print(table(strategy, work))
     return 0
 
 
@@ -483,6 +532,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--alert-webhook", metavar="URL", help="POST alerts (firing and resolved) to URL as JSON; "
                                                             "with --alerts or this, alerts also go to RUN_DIR/alerts.jsonl")
     run.set_defaults(func=_cmd_run)
+    plan = sub.add_parser("plan", help="the parallel strategy and predicted step time for a config (docs/planner.md)")
+    plan.add_argument("config", nargs="?", help="TOML run config (default: the embedded default)")
+    plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rl.group_size=16")
+    plan.add_argument("--gpus", metavar="KIND:COUNT", help="plan for a GPU cluster, e.g. H100-SXM:16 "
+                                                           "(kinds: A100-40G, A100-80G, H100-SXM, H200)")
+    plan.add_argument("--cpus", type=int, metavar="N", help="plan for N cores of this machine (default: runtime.cpus or all)")
+    plan.add_argument("--model-config", metavar="PATH", help="a Hugging Face config.json for the model's shape "
+                                                             "(default: the config's model)")
+    plan.add_argument("--prompt-tokens", type=int, metavar="N", help="tokens of a typical prompt (needed where the "
+                                                                     "env's prompts come from data)")
+    plan.add_argument("--json", action="store_true", help="print the strategy as JSON")
+    plan.set_defaults(func=_cmd_plan)
     dash = sub.add_parser("dashboard", help="a run's live page in the browser (or a list of a directory's runs)")
     dash.add_argument("run_dir", metavar="RUN_DIR")
     dash.add_argument("--port", type=int, default=DASHBOARD_PORT, help=f"port on 127.0.0.1 (default {DASHBOARD_PORT})")
