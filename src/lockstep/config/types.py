@@ -369,8 +369,16 @@ class RuntimeSpec:
     """"pack": wherever Ray schedules the actors; "spread": the trainer on the Ray head node, the
     generator replicas and env workers over the other nodes, each preferring its node (soft
     affinity: an actor whose node is lost is restarted on a node left)."""
+    allocator: bool = True
+    """An asynchronous RL stage re-plans its threads, env workers and CPU request from measurements
+    (runtime/allocator.py); false keeps trainer_threads, generator_threads and env_workers as set."""
+    allocator_window: int = 25
+    """RL steps per allocator window: what each decision measures before it is taken."""
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.allocator, bool), "runtime.allocator", "true or false", self.allocator)
+        _require(isinstance(self.allocator_window, int) and not isinstance(self.allocator_window, bool)
+                 and self.allocator_window >= 1, "runtime.allocator_window", "an integer >= 1", self.allocator_window)
         _require(self.placement in ("pack", "spread"), "runtime.placement", '"pack" or "spread"', self.placement)
         _require(isinstance(self.cpus, int) and self.cpus >= 0, "runtime.cpus", "an integer >= 0", self.cpus)
         for name in ("generator_threads", "trainer_threads", "env_workers"):

@@ -408,6 +408,8 @@ class EnvWorker:
         self.generators = [ray.get_actor(name) for name in generators]
         self.retries, self.timeout_s, self.call_timeout_s = retries, timeout_s, call_timeout_s
         self.busy_s = 0.0
+        self.active = 0
+        """Rollouts started and not yet returned (what a retiring worker finishes first)."""
         self.incarnation = uuid.uuid4().hex
 
     async def _sample(self, requests, replicas: Sequence[int]):
@@ -434,10 +436,24 @@ class EnvWorker:
         async def sample(requests, groups):
             return await self._sample(requests, [routes[g] for g in groups])
 
-        groups, env_s = await run_episodes(request, self.tokenizer, sample, retries=self.retries,
-                                           timeout_s=self.timeout_s)
+        self.active += 1
+        try:
+            groups, env_s = await run_episodes(request, self.tokenizer, sample, retries=self.retries,
+                                               timeout_s=self.timeout_s)
+        finally:
+            self.active -= 1
         self.busy_s += env_s
         return groups
+
+    async def drain(self) -> None:
+        """Return once every rollout started before this call has returned: a worker the allocator
+        retires is sent no new rollout, and is stopped only after this (nothing in flight is lost).
+        Ray starts an async actor's calls in the order they were sent, so every earlier rollout is
+        counted in `active` by the time this runs."""
+        import asyncio
+
+        while self.active:
+            await asyncio.sleep(0.05)
 
     def stats(self) -> dict:
         return {"busy_s": self.busy_s, "incarnation": self.incarnation, "node": _node()}

@@ -78,6 +78,12 @@ class Components:
     last_stats: dict = field(default_factory=dict)
     spans: object = None
     """The run's SpanLog (monitor/trace.py), or None: where the loop's spans go."""
+    starting: list = field(default_factory=list)
+    """Env workers the allocator started: (actor, ref of its first stats()), routed to once ready."""
+    retiring: list = field(default_factory=list)
+    """Env workers the allocator retired: (actor, ref of its drain()), stopped once drained."""
+    requested_cpus: int = 0
+    """The CPUs last asked of the cluster through request_resources (0: none)."""
 
     def actors(self) -> dict:
         return {"trainer": self.trainer, **self.fleet.live(), **{f"env{i}": e for i, e in enumerate(self.envs)}}
@@ -121,6 +127,57 @@ class Components:
             if not is_component_loss(e):
                 raise
             self.recover()
+
+    # -- what the allocator changes (runtime/allocator.py) -----------------------------------
+    def start_env(self, actor) -> None:
+        """A new env worker, routed to once it has started (poll_envs): waiting for its start-up
+        (imports, the tokenizer) here would stall the loop."""
+        self.starting.append((actor, actor.stats.remote()))
+
+    def poll_envs(self, *, block: bool = False) -> None:
+        """Route to the env workers that have started, as the next "env<i>" (their incarnation
+        noted, so recover() does not count their start as a restart); stop the retired ones that
+        have drained. With `block`, wait for every one of them."""
+        for actor, ref in list(self.starting):
+            if ray.wait([ref], timeout=self.timeout if block else 0)[0]:
+                self.starting.remove((actor, ref))
+                name = f"env{len(self.envs)}"
+                s = wait(ref, self.timeout, f"{name}.stats")
+                self._forget(name)
+                self.envs.append(actor)
+                self.incarnations[name], self.nodes[name] = s["incarnation"], s["node"]
+        self.reap_retired(block=block)
+
+    def retire_env(self) -> None:
+        """Send the last env worker no new rollout; it is stopped once its rollouts in flight have
+        returned (reap_retired), so the loop collects them as usual and nothing is lost."""
+        assert len(self.envs) > 1, "the last env worker is never retired"
+        actor = self.envs.pop()
+        self._forget(f"env{len(self.envs)}")
+        self.retiring.append((actor, actor.drain.remote()))
+
+    def reap_retired(self, *, block: bool = False) -> int:
+        """Stop the retired env workers that have drained (with `block`, wait for all of them);
+        returns how many are still draining. A retiree that died has nothing left to drain."""
+        for actor, ref in list(self.retiring):
+            ready, _ = ray.wait([ref], timeout=self.timeout if block else 0)
+            if ready or block:
+                ray.kill(actor)
+                self.retiring.remove((actor, ref))
+        return len(self.retiring)
+
+    def _forget(self, name: str) -> None:
+        for d in (self.incarnations, self.nodes, self.last_stats, self.busy_before):
+            d.pop(name, None)
+
+    def request_cpus(self, num_cpus: int) -> None:
+        """Ask the Ray autoscaler for a cluster of at least `num_cpus` CPUs (0 withdraws the
+        request). Ray keeps the last request until the next one, so it is sent only on a change."""
+        from ray.autoscaler.sdk import request_resources
+
+        if num_cpus != self.requested_cpus:
+            request_resources(num_cpus=num_cpus)
+            self.requested_cpus = num_cpus
 
     def rollout(self, request: RolloutRequest):
         env = self.envs[self.env_turn % len(self.envs)]

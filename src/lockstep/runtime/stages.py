@@ -7,23 +7,23 @@ during RL: a collapse (see `accuracy_collapse`) is logged and reported in summar
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
+
+import ray
 
 from lockstep.config import RunSpec
 from lockstep.config.types import StageSpec
 from lockstep.monitor.trace import Timed
 from lockstep.runtime import controller as ctl
-from lockstep.runtime.balancer import ThreadBalancer
+from lockstep.runtime.allocator import Allocator, Decision, Window
 from lockstep.runtime.plan import Plan
 from lockstep.runtime.rundir import RunDirectory
 from lockstep.runtime.types import RolloutRequest
 
 log = logging.getLogger("lockstep.run")
-
-REBALANCE_EVERY = 25
-"""RL steps between thread-budget decisions (asynchronous stages only)."""
 
 COLLAPSE_FRACTION, COLLAPSE_DROP = 0.5, 0.1
 """Held-out accuracy has collapsed when an RL evaluation falls below this fraction of the best
@@ -145,19 +145,89 @@ class Run(RunDirectory):
                                                    "placement/trainer_replicas": replicas,
                                                    "placement/generator_replicas": len(self.c.fleet.router.live)})
 
-    def rebalance(self, balancer: ThreadBalancer, window: dict) -> None:
-        """End a window of REBALANCE_EVERY steps: log how busy each stage was and the step rate,
-        and switch to the thread plan the balancer picks from the measured rates."""
-        now, busy = time.time(), self._busy()
-        secs = now - window["since"]
-        gen, tr = (busy[0] - window["busy"][0]) / secs, (busy[1] - window["busy"][1]) / secs
-        rate = REBALANCE_EVERY / secs
-        self.metrics.log(self.pos["global_step"], {"placement/generator_busy": gen, "placement/trainer_busy": tr,
-                                                   "placement/steps_per_s": rate})
-        plan = balancer.next_plan(rate)
-        if plan != self.c.threads:
-            self.set_threads(*plan)
-        window.update(since=time.time(), busy=self._busy())
+    # -- the allocator (asynchronous RL stages) ----------------------------------------------
+    def _open_window(self) -> dict:
+        """Counters at the start of an allocator window (see rebalance)."""
+        envs = {f"env{i}": self.c.stat(f"env{i}")["busy_s"] for i in range(len(self.c.envs))}
+        return {"since": time.time(), "busy": self._busy(), "envs": envs, "sampled": self.c.stats["tokens/sampled"],
+                "steps": 0, "samples": 0, "completion_tokens": 0, "in_flight": 0, "buffered": 0}
+
+    @contextlib.contextmanager
+    def _outside_window(self, window: dict):
+        """An evaluation is not the loop's work: its seconds and busy time leave the window."""
+        t, busy = time.time(), self._busy()
+        yield
+        now = self._busy()
+        window["since"] += time.time() - t
+        window["busy"] = tuple(w + (b - a) for w, a, b in zip(window["busy"], busy, now))
+
+    @staticmethod
+    def _window_step(window: dict, batch, counts: dict) -> None:
+        window["steps"] += 1
+        window["samples"] += sum(len(g.samples) for g in batch)
+        window["completion_tokens"] += sum(len(x.tokens) for g in batch for x in g.samples)
+        window["in_flight"] += counts["queue/in_flight_batches"]
+        window["buffered"] += counts["queue/buffered_groups"]
+
+    def _measure(self, window: dict) -> Window:
+        """The window's measurements: busy fractions, rates, queue means, CPUs."""
+        secs, steps, busy = time.time() - window["since"], max(1, window["steps"]), self._busy()
+        env_busy = [max(0.0, self.c.stat(f"env{i}")["busy_s"] - window["envs"].get(f"env{i}", 0.0))
+                    for i in range(len(self.c.envs))]
+        return Window(steps_per_s=window["steps"] / secs,
+                      sampled_tokens_per_s=(self.c.stats["tokens/sampled"] - window["sampled"]) / secs,
+                      completion_tokens=window["completion_tokens"] / max(1, window["samples"]),
+                      generator_busy=(busy[0] - window["busy"][0]) / secs,
+                      trainer_busy=(busy[1] - window["busy"][1]) / secs,
+                      env_busy=sum(env_busy) / len(env_busy) / secs,
+                      in_flight_batches=window["in_flight"] / steps, buffered_groups=window["buffered"] / steps,
+                      budget_cpus=self.plan.num_cpus, cluster_cpus=int(ray.cluster_resources().get("CPU", 0)),
+                      generator_replicas=len(self.c.fleet.router.live))
+
+    def rebalance(self, allocator: Allocator | None, window: dict) -> dict:
+        """End an allocator window: log how busy each stage was and the rates; with the allocator
+        on, apply and log its decision. Returns the next window."""
+        w = self._measure(window)
+        record = {"placement/generator_busy": w.generator_busy, "placement/trainer_busy": w.trainer_busy,
+                  "placement/steps_per_s": w.steps_per_s}
+        if allocator is not None:
+            decision = allocator.decide(w)
+            self._apply(decision)
+            record.update({**decision.metrics(), "alloc/steps_per_s": w.steps_per_s,
+                           "alloc/sampled_tokens_per_s": w.sampled_tokens_per_s,
+                           "alloc/completion_tokens": w.completion_tokens, "alloc/env_busy": w.env_busy,
+                           "alloc/cluster_cpus": w.cluster_cpus, "alloc/retiring_env_workers": len(self.c.retiring)})
+        self.metrics.log(self.pos["global_step"], record)
+        return self._open_window()
+
+    def _apply(self, d: Decision) -> None:
+        """Threads, env workers (added, or retired once drained) and the cluster CPU request."""
+        if d.plan != self.c.threads:
+            self.set_threads(*d.plan)
+        while len(self.c.envs) + len(self.c.starting) < d.env_workers:
+            self.c.start_env(self._new_env_worker())
+        while len(self.c.envs) > max(1, d.env_workers - len(self.c.starting)):
+            self.c.retire_env()
+        self.c.poll_envs()
+        self.c.request_cpus(d.request_cpus)
+
+    def _new_env_worker(self):
+        """An EnvWorker like those the run was built with (run.build), under a name not used yet:
+        a retired worker may still be draining under its old one."""
+        from lockstep.runtime.actors import EnvWorker
+        from lockstep.runtime.run import resolve_model  # run.py imports this module
+        from lockstep.runtime.rundir import actor_name
+
+        r, serial = self.spec.runtime, self.c.stats["alloc/env_workers_started"]
+        self.c.stats["alloc/env_workers_started"] += 1
+        # The plan's shares fill the cluster's CPUs (run.build): a worker beyond them takes what is
+        # free, else none, so that Ray never leaves it pending; threads, not Ray's count, bound the work.
+        share = min(self.plan.env_cpus, ray.available_resources().get("CPU", 0.0))
+        return EnvWorker.options(num_cpus=share, name=actor_name(self.dir, f"env-alloc{serial:.0f}"),
+                                 max_restarts=r.max_restarts, max_task_retries=0).remote(
+            resolve_model(self.spec), [actor_name(self.dir, n) for n in self.c.fleet.names],
+            retries=self.spec.env.retries, timeout_s=self.spec.env.timeout_s, call_timeout_s=r.call_timeout_s,
+            log_path=str(self.dir / "envs.log"))
 
     def _end_stage(self, kind: str, started: float, busy0, steps: int, samples: int) -> None:
         """Per-stage throughput and idle fractions, then a checkpoint at the stage boundary."""
@@ -250,16 +320,32 @@ class Run(RunDirectory):
                 "time/draft_s": d["draft_seconds"],
                 "time/verify_s": d["verify_seconds"]}
 
-    def rl(self, stage: StageSpec, index: int) -> float:
-        cpus = self.plan.num_cpus
-        balancer = ThreadBalancer(cpus)
+    def _allocator(self, stage: StageSpec) -> Allocator | None:
+        """Set the stage's starting threads; the allocator that re-plans them, if any."""
+        cpus, r = self.plan.num_cpus, self.spec.runtime
         if stage.max_staleness == 0:  # synchronous: the stages take turns, each may use every core
             self.set_threads(cpus, cpus)
-        else:  # concurrent: the plan is chosen by measured step rate
-            self.set_threads(*balancer.current)
+            return None
+        if not r.allocator:  # static: as configured
+            self.set_threads(r.trainer_threads, r.generator_threads)
+            return None
+        # Env workers up to one per CPU of the budget: each takes a quarter CPU share in the plan,
+        # and more would only queue on the same cores.
+        allocator = Allocator(cpus, env_workers=len(self.c.envs), max_env_workers=max(r.env_workers, cpus),
+                              generator_replicas=len(self.c.fleet.router.live))
+        self.set_threads(*allocator.current)
+        return allocator
+
+    def _close_allocation(self) -> None:
+        """At the stage's end: settle the env workers starting or retiring, give back any CPUs."""
+        self.c.poll_envs(block=True)
+        self.c.request_cpus(0)
+
+    def rl(self, stage: StageSpec, index: int) -> float:
+        allocator = self._allocator(stage)
         started = time.time() - self.pos["stage_elapsed"]
         busy0 = self._busy()
-        window = {"since": time.time(), "busy": busy0}
+        window = self._open_window()
         fork = self.spec.rollout.fork
         self.loop = ctl.RLLoop(self.c, stage, index, self.data[index], self.ledger, seed=self.spec.seed,
                                position=self.pos["rl"], fork=(fork.turn, fork.branches))
@@ -278,10 +364,13 @@ class Run(RunDirectory):
             self.c.stats["tokens/trained"] += sum(len(g.prompt) + len(x.tokens) for g in batch for x in g.samples)
             state["last"] = now
             self.metrics.log(self.pos["global_step"], record)
+            self._window_step(window, batch, counts)
+            self.c.poll_envs()  # an env worker the allocator started is used as soon as it is up
             if step % stage.eval_every == 0:
-                state["acc"] = self.evaluate("rl")
-            if stage.max_staleness > 0 and step % REBALANCE_EVERY == 0:
-                self.rebalance(balancer, window)
+                with self._outside_window(window):
+                    state["acc"] = self.evaluate("rl")
+            if stage.max_staleness > 0 and step % self.spec.runtime.allocator_window == 0:
+                window.update(self.rebalance(allocator, window))
             self.progress(self.pos["global_step"], f"rl {step}/{stage.steps}", state["acc"], reward=record["rollout/reward_mean"])
             self.maybe_checkpoint()
 
@@ -291,6 +380,7 @@ class Run(RunDirectory):
             return bool(stage.target_accuracy and state["acc"] >= stage.target_accuracy)
 
         steps = ctl.rl_stage(self.loop, on_step, should_stop) - first
+        self._close_allocation()
         self.evaluate("rl", pass_k=self.spec.env.pass_k)
         for g in self.loop.pending_ids():  # the stage is over: what is still in flight is not needed
             self.ledger.filtered([g], "stage_ended")
