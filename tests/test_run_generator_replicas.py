@@ -88,7 +88,7 @@ def test_two_generator_replicas_equal_one_bit_for_bit(tmp_path, warm_dir):
     assert all(r["mismatch/abs_max"] == 0.0 for r in b)
 
 
-@pytest.mark.parametrize("sync", ["rolling", "pause"])
+@pytest.mark.parametrize("sync", ["rolling", pytest.param("pause", marks=pytest.mark.slow)])  # pause: the baseline
 def test_an_async_run_over_two_replicas_keeps_the_staleness_bound_and_exact_logprobs(tmp_path, warm_dir, sync):
     d = tmp_path / "run"
     summary = run(rl_spec(warm_dir, 1, "rollout.replicas=2", f"rollout.weight_sync='{sync}'",
@@ -134,6 +134,7 @@ def run_and_kill_replica(tmp_path, model, *extra, role="generator1"):
     return d, out["summary"]
 
 
+@pytest.mark.slow  # two runs (~2 min); the default suite kills a replica in the test below
 def test_a_crashed_replica_is_restarted_and_its_groups_replayed(tmp_path, warm_dir):
     reference = tmp_path / "reference"
     run(rl_spec(warm_dir, 0, "rollout.replicas=2", "stages.0.steps=8"), reference)

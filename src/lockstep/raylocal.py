@@ -74,19 +74,33 @@ def _stay_on_loopback() -> None:
         ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def _allow_cluster() -> None:
+    """Joining a cluster by its routable address: undo _stay_on_loopback (an earlier local
+    instance of this process), or Ray would call this node 127.0.0.1 and find no raylet."""
+    os.environ[LOOPBACK_SWITCH] = "1"
+    if "ray" in sys.modules:
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = True
+
+
 def init(address: str = "", *, runtime_env: dict | None = None, log_to_driver: bool = False, **local) -> None:
     """Join the Ray cluster at `address`, or start a loopback-only one guarded by this process
     (`local` are ray.init's arguments for a new cluster: num_cpus, resources, ...)."""
     if not address or is_loopback(address):
         _stay_on_loopback()
+    else:
+        _allow_cluster()
     import ray
 
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver)
         return
     guard()
-    ray.init(include_dashboard=False, configure_logging=False, runtime_env=runtime_env, log_to_driver=log_to_driver,
-             **local)
+    # "local": a new instance even where `ray start` left a cluster (ray.init() without an address
+    # would join the one named in /tmp/ray/ray_current_cluster, live or not).
+    ray.init(address="local", include_dashboard=False, configure_logging=False, runtime_env=runtime_env,
+             log_to_driver=log_to_driver, **local)
 
 
 # -- the guardian --------------------------------------------------------------------------------

@@ -171,6 +171,8 @@ def run(spec: RunSpec, run_dir: Path, progress=lambda *a, **k: None, *, resume: 
         preempt_on_sigterm()
     run_dir.mkdir(parents=True, exist_ok=True)  # the env workers open envs.log in it
     c = build(spec, plan, model_path, run_dir)
+    # Where each actor started (Ray node ids); summary.json has where each ended.
+    (run_dir / "nodes.json").write_text(json.dumps(c.nodes, indent=2) + "\n")
     r = Run(spec, plan, run_dir, progress, suite, data, c)
     try:
         r.start(ckpt)
