@@ -173,3 +173,7 @@ def test_generator_replica_settings_are_checked_and_capped_for_jobs():
     assert plan.generator_replicas == 2 and plan.generator_cpus == plan.trainer_cpus
     assert make_plan(load(None, ["rollout.replicas='auto'", "runtime.cpus=8"])).generator_replicas == 2
     assert make_plan(load(None, ["rollout.replicas='auto'", "runtime.cpus=2"])).generator_replicas == 1
+    for g, t, e, cpus in [(2, 2, 1, 2), (3, 1, 3, 2), (2, 3, 2, 7)]:  # never more than the budget: Ray would wait
+        p = make_plan(load(None, [f"rollout.replicas={g}", f"train.replicas={t}", f"runtime.env_workers={e}",
+                                  f"runtime.cpus={cpus}"]))
+        assert g * p.generator_cpus + t * p.trainer_cpus + e * p.env_cpus <= cpus

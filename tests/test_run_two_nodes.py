@@ -1,7 +1,8 @@
 """A run across two Ray nodes started with `ray start` on this machine, one of them killed mid-run.
 
-The head node (`ray start --head`) runs the trainer, the worker node (`ray start --address=...`)
-the generator replicas and the env worker (`runtime.placement = "spread"`). Killing every
+`lockstep run rollout.replicas=2 train.replicas=2 runtime.placement=spread`: the head node
+(`ray start --head`) runs the two trainer processes, the worker node (`ray start --address=...`)
+the two generator replicas and the env worker. Killing every
 process of the worker node after two RL steps leaves the run to finish on the head node: Ray
 restarts the lost actors there (soft node affinity), the batch they held is replayed, the ledger
 shows every group trained once, and the final weights are bit for bit those of the same run on
@@ -32,7 +33,7 @@ STAGE = ("stages=[{kind = 'rl', steps = 8, prompts_per_step = 4, group_size = 4,
 
 
 def overrides(model) -> list[str]:
-    return [STAGE, "env.num_heldout=8", "env.pass_k=0", "runtime.checkpoint_every=0", "seed=11", "rollout.replicas=2",
+    return [STAGE, "env.num_heldout=8", "env.pass_k=0", "runtime.checkpoint_every=0", "seed=11", "rollout.replicas=2", "train.replicas=2",
             "runtime.cpus=2", f"model.path='{model}'"]
 
 

@@ -91,9 +91,14 @@ class TrainerActor:
         from lockstep.engine.data_parallel import DataParallel, init_group
 
         if replicas > 1:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
             address, port = ray.util.get_node_ip_address(), _free_port()
-            self.helpers = [TrainerReplica.options(num_cpus=cpus).remote(*load_args, rank, replicas, address, port)
-                            for rank in range(1, replicas)]
+            # On this node when it has room (the gradient chain is then loopback traffic); soft,
+            # so a full node places a replica elsewhere rather than waiting.
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+            self.helpers = [TrainerReplica.options(num_cpus=cpus, scheduling_strategy=here).remote(
+                *load_args, rank, replicas, address, port) for rank in range(1, replicas)]
             init_group(0, replicas, address, port)  # returns once every replica has joined
         self.dp = DataParallel(self.trainer, rank=0, world=replicas)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 
@@ -59,6 +60,7 @@ def make_plan(spec: RunSpec) -> Plan:
                            "max_staleness": s.max_staleness, "batches_in_flight": s.max_staleness + 1,
                            "loss": s.loss, "advantage": s.advantage, "learning_rate": s.learning_rate,
                            "max_seconds": s.max_seconds})
-    return Plan(r.ray_address, budget, round(share, 3), round(share, 3), round(0.25 * share, 3),
+    down = lambda x: math.floor(x * 1000) / 1000  # noqa: E731 - rounded up, the shares could sum past the budget
+    return Plan(r.ray_address, budget, down(share), down(share), down(0.25 * share),
                 r.trainer_threads, r.generator_threads, tuple(stages), replicas, spec.train.micro, generators,
                 spec.rollout.weight_sync, r.placement)
