@@ -3,7 +3,8 @@
     .venv/bin/python bench/rolling_update.py [--steps 30] [--repeats 2]
 
 The same asynchronous GRPO stage (max_staleness 1, two generator replicas, two env workers, the
-built-in model, 8 prompts x 8 samples a step) run with rollout.weight_sync = "rolling" and
+built-in model, the long_addition env (72-token answers, so that sampling is busy when weights
+arrive), 16 prompts x 8 samples a step) run with rollout.weight_sync = "rolling" and
 "pause", alternating, each as its own `lockstep run` process. Per run: sampled tokens per second
 over the RL stage; the longest stall of one replica's decoding at a swap (its re-prefill, plus the
 wait at the barrier in a pause); the longest fleet-wide pause (every replica held: "pause" only).
@@ -24,20 +25,21 @@ sys.path.insert(0, "bench")
 from common import emit  # noqa: E402
 
 LOCKSTEP = [sys.executable, "-m", "lockstep.cli"]
-STAGE = ("stages=[{kind = 'rl', steps = %d, prompts_per_step = 8, group_size = 8, max_staleness = 1, "
+STAGE = ("stages=[{kind = 'rl', steps = %d, prompts_per_step = 16, group_size = 8, max_staleness = 1, "
          "eval_every = 100000, max_seconds = 0, target_accuracy = 0.0, learning_rate = 2e-4}]")
 
 
 def one(run_dir: Path, steps: int, sync: str) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [*LOCKSTEP, "run", "--run-dir", str(run_dir), STAGE % steps, "rollout.replicas=2",
-           f"rollout.weight_sync='{sync}'", "runtime.env_workers=2", "env.num_heldout=8", "env.pass_k=0",
+           f"rollout.weight_sync='{sync}'", "runtime.env_workers=2", "env.name='long_addition'", "env.num_heldout=8",
+           "runtime.allocator=false", "env.pass_k=0",
            "runtime.checkpoint_every=0"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     summary = json.loads((run_dir / "summary.json").read_text())
     rl = next(r for r in summary["stages"] if r["stage"] == "rl")
     c = summary["counters"]
-    return {"weight_sync": sync, "rl_seconds": rl["seconds"], "sampled_tokens_per_s": c["tokens/sampled"] / rl["seconds"],
+    return {"weight_sync": sync, "stalls": int(summary.get("generator_stalls", 0)), "rl_seconds": rl["seconds"], "sampled_tokens_per_s": c["tokens/sampled"] / rl["seconds"],
             "replica_stall_max_s": summary["generator_stall_s_max"],
             "fleet_pause_max_s": c.get("weights/fleet_pause_s_max", 0.0), "fleet_pauses": int(c.get("weights/fleet_pauses", 0)),
             "requests_per_replica": summary["generator_requests"]}

@@ -68,6 +68,54 @@ def test_the_router_keeps_groups_even_and_skips_dropped_replicas():
         r.assign(1)
 
 
+def test_a_swap_mid_decode_stalls_its_replica_once_and_a_hold_stops_it(builtin_dir):
+    """The replica-level mechanics of both weight syncs: weights parked mid-call are taken at the
+    next decode step (until_swapped returns then), later tokens carry the new version, and the
+    re-prefill is one measured stall; a hold stops decoding at a step boundary until release."""
+    from lockstep.engine.types import SampleRequest, SamplingParams
+    from lockstep.runtime.actors import GeneratorActor, TrainerActor
+    from lockstep.runtime.plan import make_plan
+    from lockstep.runtime.run import start_ray
+
+    start_ray(make_plan(load(None, ["runtime.cpus=2"])))
+    trainer = TrainerActor.options(num_cpus=0.5).remote(builtin_dir, 0, 32.0, 1)
+    gen = GeneratorActor.options(num_cpus=0.5).remote(builtin_dir, 0, 32.0, 1)
+    ray.get(trainer.start_fresh.remote())
+    _, weights = trainer.publish.remote()
+    ray.get(gen.set_weights.remote(0, weights, time.time()))
+    long = [SampleRequest((5, 6, 7), SamplingParams(max_tokens=480, temperature=1.0, stop=(), seed=3), num_samples=8)]
+
+    def started(ref):
+        deadline = time.time() + 60
+        while not ray.get(gen.stats.remote())["sampling"]:
+            assert time.time() < deadline and not ray.wait([ref], timeout=0)[0], "the call ended before the test acted"
+            time.sleep(0.01)
+
+    try:
+        ref = gen.sample.remote(long)
+        started(ref)
+        ray.get(gen.set_weights.remote(1, weights, time.time()))
+        assert ray.get(gen.until_swapped.remote(30), timeout=40)
+        (result,) = ray.get(ref, timeout=120)
+        s = ray.get(gen.stats.remote())
+        assert s["version"] == 1 and s["stalls"] == 1 and s["stall_s_max"] > 0
+        for seq in result.sequences:  # the tokens before the swap are version 0's, those after version 1's
+            v = list(seq.token_versions)
+            assert seq.policy_version == 0 and v == sorted(v) and set(v) == {0, 1}
+
+        ref = gen.sample.remote(long)
+        started(ref)
+        ray.get(gen.hold.remote())
+        assert ray.get(gen.until_held.remote(30), timeout=40)
+        time.sleep(0.3)  # held: no decode step runs
+        ray.get(gen.release.remote())
+        ray.get(ref, timeout=120)
+        s = ray.get(gen.stats.remote())
+        assert s["stalls"] == 2 and s["stall_s_max"] >= 0.3
+    finally:
+        ray.kill(gen), ray.kill(trainer)
+
+
 def test_two_generator_replicas_equal_one_bit_for_bit(tmp_path, warm_dir):
     """Synchronous RL from a warmed-up model (rewards vary, so every step has a gradient): the
     replicas share out the groups, and the run is the one-replica run, bit for bit."""

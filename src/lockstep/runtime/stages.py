@@ -401,7 +401,7 @@ class Run(RunDirectory):
                    "evals": p["evals"],
                    **({f"eval_pass@{self.spec.env.pass_k}_final": pass_k[-1][f"pass@{self.spec.env.pass_k}"]} if pass_k else {}),
                    "generator_busy_fraction": gen["busy_s"] / wall, "trainer_busy_fraction": tr["busy_s"] / wall,
-                   "weight_swap_latency_s_max": gen["swap_latency_s_max"], "generator_stall_s_max": gen["stall_s_max"],
+                   "weight_swap_latency_s_max": gen["swap_latency_s_max"], "generator_stall_s_max": gen["stall_s_max"], "generator_stalls": gen["stalls"],
                    "generator_replicas": gen["replicas"], "generator_requests": gen["requests"],
                    "nodes": {name: c.stat(name)["node"] for name in c.actors()}, "counters": dict(c.stats),
                    "ledger": self.ledger.counts(), "stages": p["stage_rows"],
