@@ -109,7 +109,9 @@ def two_nodes(tmp_path):
 
 def lockstep_run(run_dir: Path, *overrides: str) -> subprocess.Popen:
     """`lockstep run` as its own process, as from the command line: it joins (or starts) Ray once."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    # Not this process's Ray settings: an earlier test's ray.init leaves RAY_* variables behind
+    # (with them the run's actors were cancelled before they started on the cluster).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "LOCKSTEP_TREE"}
     return subprocess.Popen([sys.executable, "-m", "lockstep.cli", "run", "--run-dir", str(run_dir), *overrides],
                             env={**env, "PYTHONWARNINGS": "ignore"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
@@ -137,7 +139,9 @@ def test_a_run_across_two_nodes_survives_losing_one(tmp_path, warm_dir, two_node
             killed = kill_node(tags["worker"])
             break
         time.sleep(0.05)
-    assert killed > 0, "the run ended before its worker node could be killed"
+    if not killed:
+        finish(p, 10)  # its error, if it failed
+        raise AssertionError("the run ended before its worker node could be killed")
     finish(p, 400)
     summary = json.loads((d / "summary.json").read_text())
     started = json.loads((d / "nodes.json").read_text())
