@@ -66,31 +66,21 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def _stay_on_loopback() -> None:
-    os.environ[LOOPBACK_SWITCH] = "0"  # for every process started from here (raylet, workers, jobs)
+def _cluster_mode(on: bool) -> None:
+    """Ray's multi-node switch: off keeps a local instance on loopback; on again when joining a
+    cluster by its routable address (after an earlier local instance of this process), or Ray
+    would call this node 127.0.0.1 and find no raylet."""
+    os.environ[LOOPBACK_SWITCH] = "1" if on else "0"  # for every process started from here (raylet, workers, jobs)
     if "ray" in sys.modules:  # Ray reads the switch once, at import; this process may have imported it already
         from ray._private import ray_constants
 
-        ray_constants.ENABLE_RAY_CLUSTER = False
-
-
-def _allow_cluster() -> None:
-    """Joining a cluster by its routable address: undo _stay_on_loopback (an earlier local
-    instance of this process), or Ray would call this node 127.0.0.1 and find no raylet."""
-    os.environ[LOOPBACK_SWITCH] = "1"
-    if "ray" in sys.modules:
-        from ray._private import ray_constants
-
-        ray_constants.ENABLE_RAY_CLUSTER = True
+        ray_constants.ENABLE_RAY_CLUSTER = on
 
 
 def init(address: str = "", *, runtime_env: dict | None = None, log_to_driver: bool = False, **local) -> None:
     """Join the Ray cluster at `address`, or start a loopback-only one guarded by this process
     (`local` are ray.init's arguments for a new cluster: num_cpus, resources, ...)."""
-    if not address or is_loopback(address):
-        _stay_on_loopback()
-    else:
-        _allow_cluster()
+    _cluster_mode(bool(address) and not is_loopback(address))
     import ray
 
     if address:

@@ -103,8 +103,22 @@ def spread(plan: Plan) -> tuple[dict, list[dict]]:
     return on(head), [on(n) for n in others]
 
 
+def env_worker(spec: RunSpec, model_path: str, run_dir: Path, role: str, num_cpus: float, generators: list[str],
+               **placement):
+    """An EnvWorker of this run named `role`, rolling out through the generator replicas named
+    `generators` (GeneratorFleet.names); also what the allocator starts mid-run."""
+    from lockstep.runtime.actors import EnvWorker
+
+    r, name = spec.runtime, lambda role: actor_name(run_dir, role)  # noqa: E731
+    return EnvWorker.options(num_cpus=num_cpus, name=name(role), max_restarts=r.max_restarts, max_task_retries=0,
+                             **placement).remote(
+        model_path, [name(g) for g in generators],
+        retries=spec.env.retries, timeout_s=spec.env.timeout_s, call_timeout_s=r.call_timeout_s,
+        log_path=str(run_dir / "envs.log"))
+
+
 def build(spec: RunSpec, plan: Plan, model_path: str, run_dir: Path) -> ctl.Components:
-    from lockstep.runtime.actors import EnvWorker, GeneratorActor, TrainerActor
+    from lockstep.runtime.actors import GeneratorActor, TrainerActor
 
     m, r = spec.model, spec.runtime
     opts = {"max_restarts": r.max_restarts, "max_task_retries": 0}
@@ -118,10 +132,8 @@ def build(spec: RunSpec, plan: Plan, model_path: str, run_dir: Path) -> ctl.Comp
         model_path, m.lora_rank, m.lora_alpha, r.generator_threads, spec.rollout.speculative)
         for i in range(plan.generator_replicas)]
     fleet = GeneratorFleet(generators, r.call_timeout_s, plan.weight_sync)
-    envs = [EnvWorker.options(num_cpus=plan.env_cpus, name=name(f"env{i}"), **opts, **others[i % len(others)]).remote(
-        model_path, [name(n) for n in fleet.names], retries=spec.env.retries, timeout_s=spec.env.timeout_s,
-        call_timeout_s=r.call_timeout_s, log_path=str(run_dir / "envs.log"))
-        for i in range(r.env_workers)]
+    envs = [env_worker(spec, model_path, run_dir, f"env{i}", plan.env_cpus, fleet.names, **others[i % len(others)])
+            for i in range(r.env_workers)]
     c = ctl.Components(trainer, fleet, envs, r.call_timeout_s)
     c.note_incarnations()  # also surfaces start-up errors early
     return c

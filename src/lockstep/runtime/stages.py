@@ -214,20 +214,15 @@ class Run(RunDirectory):
     def _new_env_worker(self):
         """An EnvWorker like those the run was built with (run.build), under a name not used yet:
         a retired worker may still be draining under its old one."""
-        from lockstep.runtime.actors import EnvWorker
-        from lockstep.runtime.run import resolve_model  # run.py imports this module
-        from lockstep.runtime.rundir import actor_name
+        from lockstep.runtime.run import env_worker, resolve_model  # run.py imports this module
 
-        r, serial = self.spec.runtime, self.c.stats["alloc/env_workers_started"]
+        serial = self.c.stats["alloc/env_workers_started"]
         self.c.stats["alloc/env_workers_started"] += 1
         # The plan's shares fill the cluster's CPUs (run.build): a worker beyond them takes what is
         # free, else none, so that Ray never leaves it pending; threads, not Ray's count, bound the work.
         share = min(self.plan.env_cpus, ray.available_resources().get("CPU", 0.0))
-        return EnvWorker.options(num_cpus=share, name=actor_name(self.dir, f"env-alloc{serial:.0f}"),
-                                 max_restarts=r.max_restarts, max_task_retries=0).remote(
-            resolve_model(self.spec), [actor_name(self.dir, n) for n in self.c.fleet.names],
-            retries=self.spec.env.retries, timeout_s=self.spec.env.timeout_s, call_timeout_s=r.call_timeout_s,
-            log_path=str(self.dir / "envs.log"))
+        return env_worker(self.spec, resolve_model(self.spec), self.dir, f"env-alloc{serial:.0f}", share,
+                          self.c.fleet.names)
 
     def _end_stage(self, kind: str, started: float, busy0, steps: int, samples: int) -> None:
         """Per-stage throughput and idle fractions, then a checkpoint at the stage boundary."""
@@ -403,7 +398,7 @@ class Run(RunDirectory):
                    "generator_busy_fraction": gen["busy_s"] / wall, "trainer_busy_fraction": tr["busy_s"] / wall,
                    "weight_swap_latency_s_max": gen["swap_latency_s_max"], "generator_stall_s_max": gen["stall_s_max"], "generator_stalls": gen["stalls"],
                    "generator_replicas": gen["replicas"], "generator_requests": gen["requests"],
-                   "nodes": {name: c.stat(name)["node"] for name in c.actors()}, "counters": dict(c.stats),
+                   "nodes": dict(c.nodes), "counters": dict(c.stats),
                    "ledger": self.ledger.counts(), "stages": p["stage_rows"],
                    "data": {k: vars(v) for k, v in self.suite.data_reports.items()}}
         self.write_summary(summary)
