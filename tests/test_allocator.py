@@ -19,10 +19,11 @@ def ray_session():
     ray.shutdown()
 
 
-def window(rate=4.0, *, trainer=0.5, generator=0.5, env=0.05, completion=10.0, budget=2, cluster=2) -> Window:
+def window(rate=4.0, *, trainer=0.5, generator=0.5, env=0.05, completion=10.0, budget=2, cluster=2,
+           replicas=1) -> Window:
     return Window(steps_per_s=rate, sampled_tokens_per_s=rate * 320, completion_tokens=completion,
                   trainer_busy=trainer, generator_busy=generator, env_busy=env, in_flight_batches=2.0,
-                  buffered_groups=0.0, budget_cpus=budget, cluster_cpus=cluster)
+                  buffered_groups=0.0, budget_cpus=budget, cluster_cpus=cluster, generator_replicas=replicas)
 
 
 def drive(a: Allocator, rates: dict, windows: int, **kw) -> list:
@@ -91,10 +92,10 @@ def test_longer_completions_make_it_plan_again():
     a = Allocator(2)
     rates = {(1, 1): 4.0, (1, 2): 3.0, (2, 1): 3.0}
     drive(a, rates, 6)
-    assert a.current == (1, 1) and all(a.rates.values())
+    assert a.current == (1, 1) and len(a.rates) == 3  # every rung measured
     d = a.decide(window(4.0, completion=20.0, generator=0.95, trainer=0.5))  # completions doubled
     assert d.reason == Reason.REPLAN and d.plan == (1, 2)  # forgotten, and towards the busy generator
-    assert a.rates[0] == [] and a.rates[2] == []
+    assert set(a.rates) == {a.home}  # the other rungs' rates are forgotten
     d = a.decide(window(5.0, completion=20.0, generator=0.9))
     assert (d.plan, d.reason) == ((1, 2), Reason.ACCEPT)
     d = a.decide(window(5.0, completion=22.0, generator=0.9))  # 10% longer: within DRIFT
@@ -170,3 +171,39 @@ def test_an_async_run_is_replanned_and_trains_every_group_once(tmp_path, builtin
     led = audit(d / "ledger.jsonl")
     assert led.pending() == []
     assert sorted(led.trained_step.values()) == sorted(s for s in range(1, STEPS + 1) for _ in range(PROMPTS))
+
+
+def test_replicas_are_a_second_axis_when_the_fleet_may_resize():
+    """rollout.replicas = "auto": towards a busy generator, a rung down first, then one replica more;
+    each kept only if measured faster. A fixed count is never changed."""
+    a = Allocator(2, generator_replicas=1, max_generator_replicas=2)
+    gen_bound = {"trainer": 0.3, "generator": 0.97}
+    d = a.decide(window(4.0, **gen_bound))
+    assert (d.plan, d.generator_replicas, d.reason) == ((1, 2), 1, Reason.EXPLORE)  # threads first
+    d = a.decide(window(4.0, **gen_bound))
+    assert (d.plan, d.generator_replicas, d.reason) == ((1, 1), 1, Reason.REVERT)
+    d = a.decide(window(4.0, **gen_bound))
+    assert (d.plan, d.generator_replicas, d.reason) == ((1, 1), 2, Reason.EXPLORE)  # then a replica more
+    d = a.decide(window(5.0, **gen_bound, replicas=2))
+    assert (d.plan, d.generator_replicas, d.reason) == ((1, 1), 2, Reason.ACCEPT)
+    assert d.metrics()["alloc/generator_replicas"] == 2 and d.metrics()["alloc/generator_threads_per_replica"] == 1
+    # the trainer now waits: a rung up, or a replica fewer; the replica fewer was slower before
+    d = a.decide(window(5.0, trainer=0.97, generator=0.4, replicas=2))
+    assert (d.plan, d.generator_replicas) == ((2, 1), 2)
+    d = a.decide(window(4.0, trainer=0.97, generator=0.4, replicas=2))
+    assert (d.plan, d.generator_replicas, d.reason) == ((1, 1), 2, Reason.REVERT)
+
+    fixed = Allocator(2, generator_replicas=2)
+    decisions = [fixed.decide(window(4.0 + i % 3, **gen_bound, replicas=2)) for i in range(40)]
+    assert {d.generator_replicas for d in decisions} == {2}
+
+
+def test_a_replica_lost_for_good_shrinks_the_range():
+    a = Allocator(4, generator_replicas=1, max_generator_replicas=3)
+    a.home = (a.home[0], 3)
+    d = a.decide(window(4.0, replicas=2, budget=4, cluster=4))  # one out of restarts
+    assert (d.generator_replicas, d.reason) == (2, Reason.REPLICA_LOST)
+    assert a.replica_range == (1, 2)
+    decisions = [a.decide(window(4.0 + i % 2, trainer=0.2, generator=0.99, replicas=a.replicas, budget=4, cluster=4))
+                 for i in range(60)]
+    assert max(d.generator_replicas for d in decisions) == 2  # it never tries to replace the lost one

@@ -217,11 +217,54 @@ def test_generator_replica_settings_are_checked_and_capped_for_jobs():
     with pytest.raises(ServiceError, match="rollout.replicas = 9 is over this server's cap max_rollout_replicas = 4"):
         check_spec({"rollout": {"replicas": 9}}, Limits())
     assert check_spec({"rollout": {"replicas": "auto"}}, Limits()).rollout.replicas == "auto"
+    with pytest.raises(ServiceError, match="rollout.max_replicas = 5 is over this server's cap max_rollout_replicas"):
+        check_spec({"rollout": {"replicas": "auto", "max_replicas": 5}}, Limits())
+    with pytest.raises(ConfigError, match=r"rollout.max_replicas: expected an integer in \[1, 64\]"):
+        load(None, ["rollout.max_replicas=0"])
     plan = make_plan(load(None, ["rollout.replicas=2", "runtime.cpus=4"]))
     assert plan.generator_replicas == 2 and plan.generator_cpus == plan.trainer_cpus
     assert make_plan(load(None, ["rollout.replicas='auto'", "runtime.cpus=8"])).generator_replicas == 2
     assert make_plan(load(None, ["rollout.replicas='auto'", "runtime.cpus=2"])).generator_replicas == 1
+    for cpus, most, want in [(2, 4, 2), (16, 4, 4), (16, 2, 2), (1, 4, 1)]:  # what the allocator may grow to
+        p = make_plan(load(None, ["rollout.replicas='auto'", f"runtime.cpus={cpus}", f"rollout.max_replicas={most}"]))
+        assert p.max_generator_replicas == want and p.generator_replicas <= want
+    assert make_plan(load(None, ["rollout.replicas=3", "runtime.cpus=16"])).max_generator_replicas == 3  # as written
     for g, t, e, cpus in [(2, 2, 1, 2), (3, 1, 3, 2), (2, 3, 2, 7)]:  # never more than the budget: Ray would wait
         p = make_plan(load(None, [f"rollout.replicas={g}", f"train.replicas={t}", f"runtime.env_workers={e}",
                                   f"runtime.cpus={cpus}"]))
         assert g * p.generator_cpus + t * p.trainer_cpus + e * p.env_cpus <= cpus
+
+
+def test_the_allocator_grows_and_shrinks_the_fleet_without_losing_a_group(tmp_path, warm_dir, monkeypatch):
+    """rollout.replicas = "auto" with the allocator's decisions scripted (its policy is tested on
+    synthetic windows in test_allocator.py): a replica is started mid-run and routed to only once it
+    holds the newest weights (its samples of a fresh step are exact), the window that measures it
+    opens when it joins, and a retired replica is stopped once its groups are back."""
+    from lockstep.runtime import stages
+    from lockstep.runtime.allocator import Decision, Reason
+
+    script = iter([2, 2, 1])  # replicas decided at the end of each window; then 1
+    seen, routed = [], []
+
+    class Scripted(stages.Allocator):
+        def decide(self, w):
+            seen.append(w.generator_replicas)
+            return Decision(1, 1, next(script, 1), 1, 0, Reason.EXPLORE)
+
+    assign = Router.assign
+    monkeypatch.setattr(stages, "Allocator", Scripted)
+    monkeypatch.setattr(Router, "assign", lambda self, n: routed.append(assign(self, n)) or routed[-1])
+    d = tmp_path / "run"
+    summary = run(rl_spec(warm_dir, 1, "rollout.replicas='auto'", "runtime.cpus=2", "runtime.allocator_window=2",
+                          "stages.0.steps=150"), d)
+    counters = summary["counters"]
+    assert counters["alloc/generator_replicas_started"] == 1 and counters["alloc/generator_replicas_stopped"] == 1
+    assert seen[:4] == [1, 2, 2, 1]  # the window after the decision to grow measured 2 replicas
+    assert any(1 in r for r in routed)  # the new replica sampled groups
+    rl = rl_records(d)
+    assert {r["rollout/replicas"] for r in rl} == {1, 2} and rl[-1]["rollout/replicas"] == 1
+    assert summary["generator_replicas"] == 1
+    for r in rl:  # the staleness bound held through the resizes, and fresh steps are exact
+        assert r["rollout/staleness_max"] <= 1
+        assert r["rollout/staleness_max"] > 0 or r["mismatch/abs_max"] == 0.0
+    check_exactly_once(d, 150)

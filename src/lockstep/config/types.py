@@ -331,8 +331,12 @@ class RolloutSpec:
     speculative: SpeculativeSpec = field(default_factory=SpeculativeSpec)
     fork: ForkSpec = field(default_factory=ForkSpec)
     replicas: int | str = 1
-    """Generator actors behind the router (a prompt group stays on one replica); "auto": as many
-    as the CPU budget gives (runtime/plan.py)."""
+    """Generator actors behind the router (a prompt group stays on one replica); "auto": one per
+    4 CPUs of the budget to start with (runtime/plan.py), then as many as the allocator measures
+    to be fastest, up to `max_replicas` (runtime/allocator.py)."""
+    max_replicas: int = 4
+    """With replicas = "auto": the most generator replicas the allocator runs (each holds a copy of
+    the model; never more than one per CPU of the budget)."""
     weight_sync: str = "rolling"
     """How an asynchronous stage's new weights reach the replicas: "rolling" (one replica at a
     time while the others sample) or "pause" (every replica held at a step boundary, swapped,
@@ -342,6 +346,8 @@ class RolloutSpec:
         _require(self.replicas == "auto" or (isinstance(self.replicas, int) and not isinstance(self.replicas, bool)
                                              and 1 <= self.replicas <= 64),
                  "rollout.replicas", 'an integer in [1, 64] or "auto"', self.replicas)
+        _require(isinstance(self.max_replicas, int) and not isinstance(self.max_replicas, bool)
+                 and 1 <= self.max_replicas <= 64, "rollout.max_replicas", "an integer in [1, 64]", self.max_replicas)
         _require(self.weight_sync in ("rolling", "pause"), "rollout.weight_sync", '"rolling" or "pause"',
                  self.weight_sync)
 

@@ -400,17 +400,19 @@ class EnvWorker:
     (the run's envs.log; rate-limited, see episodes.RateLimitedLog).
     """
 
-    def __init__(self, tokenizer_dir: str, generators: Sequence[str], *, retries: int, timeout_s: float,
+    def __init__(self, tokenizer_dir: str, generator_prefix: str, *, retries: int, timeout_s: float,
                  call_timeout_s: float, log_path: str | None = None):
-        """`generators` are the generator replicas' actor names (names, not handles, so that Ray
-        can restart this actor without keeping constructor arguments in the object store)."""
+        """Generator replica i is the actor named `generator_prefix` + fleet.replica_name(i),
+        looked up when first routed to: the allocator adds replicas during the run, and names
+        (not handles) let Ray restart this actor without constructor arguments in the object store."""
         from transformers import AutoTokenizer
 
         if log_path:
             _log_envs_to(log_path)
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        self.generators = [ray.get_actor(name) for name in generators]
+        self.generator_prefix = generator_prefix
+        self.generators: dict[int, object] = {}
         self.retries, self.timeout_s, self.call_timeout_s = retries, timeout_s, call_timeout_s
         self.busy_s = 0.0
         self.active = 0
@@ -425,7 +427,7 @@ class EnvWorker:
         by_replica: dict[int, list[int]] = {}
         for i, r in enumerate(replicas):
             by_replica.setdefault(r, []).append(i)
-        refs = {r: self.generators[r].sample.remote([requests[i] for i in idx]) for r, idx in by_replica.items()}
+        refs = {r: self._generator(r).sample.remote([requests[i] for i in idx]) for r, idx in by_replica.items()}
         done = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(ref.future()) for ref in refs.values())),
                                       self.call_timeout_s)
         out: list = [None] * len(requests)
@@ -433,6 +435,13 @@ class EnvWorker:
             for i, result in zip(idx, results):
                 out[i] = result
         return out
+
+    def _generator(self, replica: int):
+        if replica not in self.generators:
+            from lockstep.runtime.fleet import replica_name
+
+            self.generators[replica] = ray.get_actor(self.generator_prefix + replica_name(replica))
+        return self.generators[replica]
 
     async def rollout(self, request) -> list:
         """A RolloutRequest -> RolloutGroups with rewards, tokens, exact logprobs and versions."""

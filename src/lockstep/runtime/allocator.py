@@ -32,8 +32,15 @@ generator replicas, env workers, and how many CPUs to ask the cluster for. The r
    `request_resources`, a persistent target). The request is withdrawn (0) after GIVE_BACK_WINDOWS
    windows without that need, e.g. when the stages go idle.
 
-Generator replicas are passed through: the fleet's size is fixed at build time (the threads of the
-generator side are shared over its live replicas), so the decision reports it, unchanged.
+5. Generator replicas (rollout.replicas = "auto"; a number is kept as written): the replica count
+   is a second axis of the same hill-climb. A setting is (thread rung, replicas); towards the
+   generator, the neighbours are one rung down and one replica more, towards the trainer one rung
+   up and one replica fewer, and a trial is kept only on a measured CONFIRM_GAIN. The generator
+   side's threads are shared out over its replicas, so a replica more adds no thread: it splits the
+   fleet's batch over processes, which pays where a decode step is bound by per-op dispatch, not by
+   FLOPs (the built-in model on a CPU), and costs a model copy of memory. A replica lost for good
+   lowers the range by one: the run degrades to what is left, it does not replace a crash-looping
+   actor.
 """
 
 from __future__ import annotations
@@ -42,6 +49,9 @@ from dataclasses import dataclass
 from statistics import median
 
 from lockstep.runtime.balancer import Plan, ladder
+
+Setting = tuple[int, int]
+"""(rung of the thread ladder, generator replicas)."""
 
 BOTTLENECK_GAP = 0.15
 """A stage is the bottleneck when its busy fraction exceeds the other's by this much; below it the
@@ -95,6 +105,7 @@ class Reason:
     REPLAN = 5
     ENV_ADD = 6
     ENV_RETIRE = 7
+    REPLICA_LOST = 8
 
 
 @dataclass(frozen=True)
@@ -148,38 +159,66 @@ class Decision:
 class Allocator:
     """The policy's state between windows (see the module docstring for the rules)."""
 
-    def __init__(self, cpus: int, *, env_workers: int = 1, max_env_workers: int = 1, generator_replicas: int = 1):
+    def __init__(self, cpus: int, *, env_workers: int = 1, max_env_workers: int = 1, generator_replicas: int = 1,
+                 max_generator_replicas: int | None = None):
+        """`max_generator_replicas` above `generator_replicas` lets it resize the fleet (rollout.replicas
+        = "auto"); left out, the fleet keeps its size."""
         self.ladder = ladder(cpus)
-        self.home = self.ladder.index(max(self.ladder, key=lambda p: -abs(p[0] - p[1])))  # the even split
-        self.trial: int | None = None
-        self.rates: dict[int, list[float]] = {i: [] for i in range(len(self.ladder))}
-        self.last_tried: dict[int, int] = {}
-        self.retry_every: dict[int, int] = {}
+        even = self.ladder.index(max(self.ladder, key=lambda p: -abs(p[0] - p[1])))
+        self.home: Setting = (even, generator_replicas)
+        self.trial: Setting | None = None
+        resizable = (max_generator_replicas or 0) > generator_replicas
+        self.replica_range = (1, max_generator_replicas) if resizable else (generator_replicas, generator_replicas)
+        self.rates: dict[Setting, list[float]] = {}
+        self.last_tried: dict[Setting, int] = {}
+        self.retry_every: dict[Setting, int] = {}
         self.anchor: Window | None = None
         self.env_workers, self.max_env_workers = env_workers, max(env_workers, max_env_workers)
-        self.generator_replicas = generator_replicas
         self.request, self.unneeded = 0, 0
         self.windows = 0
 
     @property
+    def setting(self) -> Setting:
+        return self.home if self.trial is None else self.trial
+
+    @property
     def current(self) -> Plan:
-        return self.ladder[self.home if self.trial is None else self.trial]
+        return self.ladder[self.setting[0]]
+
+    @property
+    def replicas(self) -> int:
+        return self.setting[1]
 
     def decide(self, w: Window) -> Decision:
-        """Record the window under the plan it ran; the decision for the next window."""
+        """Record the window under the setting it ran; the decision for the next window."""
         self.windows += 1
-        self.rates[self.home if self.trial is None else self.trial].append(w.steps_per_s)
-        self.generator_replicas = w.generator_replicas
-        reason = self._conclude_trial(w) if self.trial is not None else self._on_home(w)
+        if self._replicas_lost(w):
+            reason = Reason.REPLICA_LOST
+        else:
+            self.rates.setdefault(self.setting, []).append(w.steps_per_s)
+            reason = self._conclude_trial(w) if self.trial is not None else self._on_home(w)
         self.request = self._request(w)
-        return Decision(*self.current, self.generator_replicas, self.env_workers, self.request, reason)
+        return Decision(*self.current, self.replicas, self.env_workers, self.request, reason)
 
-    # -- threads -----------------------------------------------------------------------------
-    def _score(self, rung: int) -> float:
-        return median(self.rates[rung][-SCORE_WINDOWS:])
+    def _replicas_lost(self, w: Window) -> bool:
+        """Fewer replicas live than the setting has (out of restarts, or one that never started):
+        the range shrinks by as many, home takes the count left, a trial ends unjudged, and what
+        was measured with more replicas than the range allows is forgotten."""
+        lost = self.replicas - w.generator_replicas
+        if lost <= 0:
+            return False
+        lo, hi = self.replica_range
+        self.replica_range = (max(1, lo - lost), max(1, hi - lost))
+        self.home, self.trial = (self.home[0], max(1, min(w.generator_replicas, self.replica_range[1]))), None
+        self.rates = {k: v for k, v in self.rates.items() if k[1] <= self.replica_range[1]}
+        return True
+
+    # -- threads and replicas ----------------------------------------------------------------
+    def _score(self, setting: Setting) -> float:
+        return median(self.rates[setting][-SCORE_WINDOWS:])
 
     def _conclude_trial(self, w: Window) -> int:
-        """A trial window is over: keep the trial plan if it is faster, else go back."""
+        """A trial window is over: keep the trial setting if it is faster, else go back."""
         trial, self.trial = self.trial, None
         if self._score(trial) > self._score(self.home) * (1 + CONFIRM_GAIN):
             self.home, self.anchor = trial, w
@@ -189,20 +228,19 @@ class Allocator:
         return Reason.REVERT
 
     def _on_home(self, w: Window) -> int:
-        """A window on the current plan: re-plan on drift, change env workers, or try a rung."""
+        """A window on the current setting: re-plan on drift, change env workers, or try a neighbour."""
         replan = self.anchor is not None and self._drifted(self.anchor, w)
         if replan:
-            keep = self.rates[self.home][-1:]
-            self.rates = {i: [] for i in self.rates}
-            self.rates[self.home], self.last_tried, self.retry_every = keep, {}, {}
+            self.rates = {self.home: self.rates[self.home][-1:]}
+            self.last_tried, self.retry_every = {}, {}
         if self.anchor is None or replan:
             self.anchor = w
         env = self._env_change(w)
         if env is not None:
             return env
-        rung, why = self._next_trial(w)
-        if rung is not None:
-            self.trial, self.last_tried[rung] = rung, self.windows
+        setting, why = self._next_trial(w)
+        if setting is not None:
+            self.trial, self.last_tried[setting] = setting, self.windows
         return Reason.REPLAN if replan else why
 
     @staticmethod
@@ -216,20 +254,27 @@ class Allocator:
         gap = w.trainer_busy - w.generator_busy
         return 1 if gap > BOTTLENECK_GAP else -1 if gap < -BOTTLENECK_GAP else 0
 
-    def _next_trial(self, w: Window) -> tuple[int | None, int]:
-        """The neighbouring rung to try next (towards the bottleneck; either when the stages are
+    def _neighbours(self, d: int) -> list[Setting]:
+        """Settings one move from home towards the trainer (d = +1: a rung up, a replica fewer),
+        the generator (d = -1: a rung down, a replica more), or either way (d = 0); threads first."""
+        rung, n = self.home
+        lo, hi = self.replica_range
+        moves = [(d, 0), (0, -d)] if d else [(-1, 0), (1, 0), (0, 1), (0, -1)]
+        out = [(rung + dr, n + dn) for dr, dn in moves]
+        return [s for s in out if 0 <= s[0] < len(self.ladder) and lo <= s[1] <= hi]
+
+    def _next_trial(self, w: Window) -> tuple[Setting | None, int]:
+        """The neighbouring setting to try next (towards the bottleneck; any when the stages are
         even): an untried one, or a rejected one whose back-off has passed; None to hold."""
         if max(w.trainer_busy, w.generator_busy) < EXPLORE_BUSY:
             return None, Reason.HOLD
-        d = self._direction(w)
-        order = [self.home + d] if d else [self.home - 1, self.home + 1]
-        rungs = [r for r in dict.fromkeys(order) if 0 <= r < len(self.ladder) and r != self.home]
-        for r in rungs:
-            if not self.rates[r]:
-                return r, Reason.EXPLORE
-        for r in rungs:
-            if self.windows - self.last_tried.get(r, 0) >= self.retry_every.get(r, RETRY_EVERY):
-                return r, Reason.RETRY
+        near = self._neighbours(self._direction(w))
+        for s in near:
+            if not self.rates.get(s):
+                return s, Reason.EXPLORE
+        for s in near:
+            if self.windows - self.last_tried.get(s, 0) >= self.retry_every.get(s, RETRY_EVERY):
+                return s, Reason.RETRY
         return None, Reason.HOLD
 
     # -- env workers and CPUs ----------------------------------------------------------------
@@ -247,9 +292,9 @@ class Allocator:
         """The CPUs to ask the cluster for: budget + extra while a saturated stage cannot be given
         more threads and the cluster has CPUs beyond the budget; 0 once that need has passed."""
         d = self._direction(w)
-        home = self.home
+        rung = self.home[0]
         stuck = (w.trainer_busy >= SATURATED and w.generator_busy >= SATURATED) or (
-            d != 0 and max(w.trainer_busy, w.generator_busy) >= SATURATED and not 0 <= home + d < len(self.ladder))
+            d != 0 and max(w.trainer_busy, w.generator_busy) >= SATURATED and not 0 <= rung + d < len(self.ladder))
         spare = w.cluster_cpus - w.budget_cpus
         if stuck and spare > 0:
             self.unneeded = 0

@@ -84,9 +84,17 @@ class Components:
     """Env workers the allocator retired: (actor, ref of its drain()), stopped once drained."""
     requested_cpus: int = 0
     """The CPUs last asked of the cluster through request_resources (0: none)."""
+    starting_generators: list = field(default_factory=list)
+    """Generator replicas the allocator started: (actor, ref of its first stats()), added to the
+    fleet once ready and given the newest weights."""
 
     def actors(self) -> dict:
         return {"trainer": self.trainer, **self.fleet.live(), **{f"env{i}": e for i, e in enumerate(self.envs)}}
+
+    def every_actor(self) -> list:
+        """Every actor of the run, also those starting, retiring or draining (what to stop at its end)."""
+        return [self.trainer, *self.fleet.actors(), *self.envs, *(a for a, _ in self.starting + self.retiring),
+                *(a for _, a, *_ in self.starting_generators)]
 
     def publish(self, *, background: bool = False) -> None:
         """Put the trainer's weights in the object store and hand them to the generator fleet:
@@ -165,6 +173,50 @@ class Components:
                 ray.kill(actor)
                 self.retiring.remove((actor, ref))
         return len(self.retiring)
+
+    def start_generator(self, index: int, actor) -> None:
+        """A new generator replica, routed to once it has started and holds the newest weights
+        (poll_generators); its start-up (a process, the model) is not waited for here."""
+        self.starting_generators.append((index, actor, actor.stats.remote(), time.time()))
+
+    def poll_generators(self, *, block: bool = False) -> int:
+        """Add the replicas that have started to the fleet: the fleet's threads are shared out
+        again, and each is given the newest published weights before any group is routed to it.
+        Stop the retired replicas whose groups are back. How many joined."""
+        joined = 0
+        for entry in list(self.starting_generators):
+            index, actor, ref, since = entry
+            if not ray.wait([ref], timeout=max(0.0, since + self.timeout - time.time()) if block else 0)[0]:
+                if time.time() > since + self.timeout:  # e.g. no node can hold it: the fleet stays as it is
+                    self.starting_generators.remove(entry)
+                    ray.kill(actor)
+                    self.stats["alloc/generator_start_failures"] += 1
+                    log.warning("a new generator replica did not start within %.0fs: going on without it", self.timeout)
+                continue
+            self.starting_generators.remove(entry)
+            try:
+                s = wait(ref, self.timeout, "generator.stats")
+                if self.weights_ref is not None:
+                    wait(actor.set_weights.remote(self.version, self.weights_ref, time.time()), self.timeout,
+                         "generator.set_weights")
+            except ComponentError as e:  # it failed to start (its error is in the message)
+                ray.kill(actor)
+                self.stats["alloc/generator_start_failures"] += 1
+                log.warning("a new generator replica failed to start: %s", e)
+                continue
+            name = self.fleet.add(index, actor)
+            self.incarnations[name], self.nodes[name] = s["incarnation"], s["node"]
+            joined += 1
+        if joined:
+            self.set_threads(*self.threads)
+        self.stats["alloc/generator_replicas_stopped"] += self.fleet.reap(ray.kill)
+        return joined
+
+    def retire_generator(self) -> None:
+        """Route no new group to the newest live replica; it is stopped once its groups are back."""
+        name = self.fleet.retire()
+        self._forget(name)
+        self.set_threads(*self.threads)
 
     def _forget(self, name: str) -> None:
         for d in (self.incarnations, self.nodes, self.last_stats, self.busy_before):

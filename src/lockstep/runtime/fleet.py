@@ -23,6 +23,11 @@ before they sample: `settle()` waits for a rolling update to finish.
 A replica Ray restarts comes back without weights (it refuses to sample until given them); the
 controller's recover() gives it the last published version. A replica out of restarts is dropped
 from the router with a warning, and the run goes on with the replicas left.
+
+Resizing (the allocator, with rollout.replicas = "auto"). A new replica joins under a fresh index
+(indices are never reused, so an env worker's cached handle is never another actor) once it has
+the newest weights, and only then is it routed to. A retired replica is routed no new group; it is
+stopped once the groups it holds have come back (`reap`), so no turn of a group is cut short.
 """
 
 from __future__ import annotations
@@ -66,6 +71,11 @@ class Router:
         if replica in self.live:
             self.live.remove(replica)
 
+    def add(self, replica: int) -> None:
+        """Route to `replica` (an index never used before) from now on."""
+        self.outstanding += [0] * (replica + 1 - len(self.outstanding))
+        self.live.append(replica)
+
 
 def replica_name(i: int) -> str:
     """Replica 0 is "generator" (as in a one-generator run); the others "generator1", ..."""
@@ -75,7 +85,11 @@ def replica_name(i: int) -> str:
 class GeneratorFleet:
     def __init__(self, replicas: list, timeout: float, sync: str = "rolling"):
         self.replicas, self.timeout, self.sync = list(replicas), timeout, sync
+        """Every replica ever started, by index; a retired one is None once stopped."""
         self.router = Router(len(replicas))
+        self.retiring: list[int] = []
+        self.issued = len(self.replicas)
+        """Indices handed out (`new_index`), started or not."""
         self._roller = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weights-roll")
         self._roll: concurrent.futures.Future | None = None
         self.stalls: list[float] = []
@@ -90,6 +104,41 @@ class GeneratorFleet:
 
     def index(self, name: str) -> int:
         return self.names.index(name)
+
+    # -- size --------------------------------------------------------------------------------
+    def new_index(self) -> int:
+        """The index (and so the actor name, replica_name) of a replica about to be started."""
+        self.issued += 1
+        return self.issued - 1
+
+    def add(self, index: int, actor) -> str:
+        """Route to `actor`, started as replica `index`, from now on (it must already hold the
+        newest weights); its name."""
+        self.replicas += [None] * (index + 1 - len(self.replicas))
+        self.replicas[index] = actor
+        self.router.add(index)
+        return replica_name(index)
+
+    def retire(self) -> str:
+        """Route no new group to the newest live replica; `reap` stops it once its groups are back."""
+        assert len(self.router.live) > 1, "the last generator replica is never retired"
+        i = self.router.live[-1]
+        self.router.drop(i)
+        self.retiring.append(i)
+        return replica_name(i)
+
+    def reap(self, kill) -> int:
+        """Stop (with `kill`) the retired replicas no group is outstanding on; how many were."""
+        done = [i for i in self.retiring if self.router.outstanding[i] <= 0]
+        for i in done:
+            kill(self.replicas[i])
+            self.replicas[i] = None
+            self.retiring.remove(i)
+        return len(done)
+
+    def actors(self) -> list:
+        """Every replica not yet stopped, live or retiring."""
+        return [r for r in self.replicas if r is not None]
 
     # -- weights -----------------------------------------------------------------------------
     def publish(self, version: int, weights_ref, *, background: bool) -> None:

@@ -26,7 +26,9 @@ class Plan:
     """Trainer processes (data parallel); each takes `trainer_cpus`."""
     micro_batches: int = 1
     generator_replicas: int = 1
-    """Generator actors behind the router; each takes `generator_cpus`."""
+    """Generator actors behind the router at the start; each takes `generator_cpus`."""
+    max_generator_replicas: int = 1
+    """How many the allocator may grow the fleet to (rollout.replicas = "auto"), else the same."""
     weight_sync: str = "rolling"
     placement: str = "pack"
 
@@ -39,15 +41,20 @@ AUTO_CPUS_PER_GENERATOR = 4
 decode steps use a few threads well; more go to a second replica's batch)."""
 
 
-def generator_replicas(spec: RunSpec, budget: int) -> int:
-    n = spec.rollout.replicas
-    return max(1, budget // AUTO_CPUS_PER_GENERATOR) if n == "auto" else n
+def generator_replicas(spec: RunSpec, budget: int) -> tuple[int, int]:
+    """(replicas at the start, the most the allocator may run): with "auto", the most is
+    rollout.max_replicas and one per CPU of the budget (a replica needs a thread)."""
+    n, most = spec.rollout.replicas, spec.rollout.max_replicas
+    if n != "auto":
+        return n, n
+    start = max(1, min(budget // AUTO_CPUS_PER_GENERATOR, most))
+    return start, max(start, min(budget, most))
 
 
 def make_plan(spec: RunSpec) -> Plan:
     r = spec.runtime
     budget = r.cpus or os.cpu_count() or 2
-    replicas, generators = spec.train.replicas, generator_replicas(spec, budget)
+    replicas, (generators, most) = spec.train.replicas, generator_replicas(spec, budget)
     share = budget / (generators + replicas + 0.25 * r.env_workers)  # each replica of both, the envs
     stages = []
     for s in spec.stages:
@@ -63,4 +70,4 @@ def make_plan(spec: RunSpec) -> Plan:
     down = lambda x: math.floor(x * 1000) / 1000  # noqa: E731 - rounded up, the shares could sum past the budget
     return Plan(r.ray_address, budget, down(share), down(share), down(0.25 * share),
                 r.trainer_threads, r.generator_threads, tuple(stages), replicas, spec.train.micro, generators,
-                spec.rollout.weight_sync, r.placement)
+                most, spec.rollout.weight_sync, r.placement)

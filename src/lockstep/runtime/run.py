@@ -103,36 +103,41 @@ def spread(plan: Plan) -> tuple[dict, list[dict]]:
     return on(head), [on(n) for n in others]
 
 
-def env_worker(spec: RunSpec, model_path: str, run_dir: Path, role: str, num_cpus: float, generators: list[str],
-               **placement):
-    """An EnvWorker of this run named `role`, rolling out through the generator replicas named
-    `generators` (GeneratorFleet.names); also what the allocator starts mid-run."""
+def env_worker(spec: RunSpec, model_path: str, run_dir: Path, role: str, num_cpus: float, **placement):
+    """An EnvWorker of this run named `role`, rolling out through the run's generator replicas;
+    also what the allocator starts mid-run."""
     from lockstep.runtime.actors import EnvWorker
 
-    r, name = spec.runtime, lambda role: actor_name(run_dir, role)  # noqa: E731
-    return EnvWorker.options(num_cpus=num_cpus, name=name(role), max_restarts=r.max_restarts, max_task_retries=0,
-                             **placement).remote(
-        model_path, [name(g) for g in generators],
-        retries=spec.env.retries, timeout_s=spec.env.timeout_s, call_timeout_s=r.call_timeout_s,
-        log_path=str(run_dir / "envs.log"))
+    r = spec.runtime
+    return EnvWorker.options(num_cpus=num_cpus, name=actor_name(run_dir, role), max_restarts=r.max_restarts,
+                             max_task_retries=0, **placement).remote(
+        model_path, actor_name(run_dir, ""), retries=spec.env.retries, timeout_s=spec.env.timeout_s,
+        call_timeout_s=r.call_timeout_s, log_path=str(run_dir / "envs.log"))
+
+
+def generator_replica(spec: RunSpec, model_path: str, run_dir: Path, index: int, num_cpus: float, **placement):
+    """Generator replica `index` of this run (fleet.replica_name); also what the allocator starts mid-run."""
+    from lockstep.runtime.actors import GeneratorActor
+
+    m, r = spec.model, spec.runtime
+    return GeneratorActor.options(num_cpus=num_cpus, name=actor_name(run_dir, replica_name(index)),
+                                  max_restarts=r.max_restarts, max_task_retries=0, **placement).remote(
+        model_path, m.lora_rank, m.lora_alpha, r.generator_threads, spec.rollout.speculative)
 
 
 def build(spec: RunSpec, plan: Plan, model_path: str, run_dir: Path) -> ctl.Components:
-    from lockstep.runtime.actors import GeneratorActor, TrainerActor
+    from lockstep.runtime.actors import TrainerActor
 
     m, r = spec.model, spec.runtime
-    opts = {"max_restarts": r.max_restarts, "max_task_retries": 0}
-    name = lambda role: actor_name(run_dir, role)  # noqa: E731
     head, others = spread(plan)
-    trainer = TrainerActor.options(num_cpus=plan.trainer_cpus, name=name("trainer"), **opts, **head).remote(
+    trainer = TrainerActor.options(num_cpus=plan.trainer_cpus, name=actor_name(run_dir, "trainer"),
+                                   max_restarts=r.max_restarts, max_task_retries=0, **head).remote(
         model_path, m.lora_rank, m.lora_alpha, r.trainer_threads, m.train_experts, plan.trainer_replicas,
         plan.micro_batches, plan.trainer_cpus)
-    generators = [GeneratorActor.options(num_cpus=plan.generator_cpus, name=name(replica_name(i)), **opts,
-                                         **others[i % len(others)]).remote(
-        model_path, m.lora_rank, m.lora_alpha, r.generator_threads, spec.rollout.speculative)
-        for i in range(plan.generator_replicas)]
+    generators = [generator_replica(spec, model_path, run_dir, i, plan.generator_cpus, **others[i % len(others)])
+                  for i in range(plan.generator_replicas)]
     fleet = GeneratorFleet(generators, r.call_timeout_s, plan.weight_sync)
-    envs = [env_worker(spec, model_path, run_dir, f"env{i}", plan.env_cpus, fleet.names, **others[i % len(others)])
+    envs = [env_worker(spec, model_path, run_dir, f"env{i}", plan.env_cpus, **others[i % len(others)])
             for i in range(r.env_workers)]
     c = ctl.Components(trainer, fleet, envs, r.call_timeout_s)
     c.note_incarnations()  # also surfaces start-up errors early
@@ -191,5 +196,5 @@ def run(spec: RunSpec, run_dir: Path, progress=lambda *a, **k: None, *, resume: 
         return _execute_with_rollbacks(r, c)
     finally:
         c.fleet.close()
-        for actor in [c.trainer, *c.fleet.replicas, *c.envs]:
+        for actor in c.every_actor():
             ray.kill(actor)

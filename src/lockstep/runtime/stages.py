@@ -201,15 +201,36 @@ class Run(RunDirectory):
         return self._open_window()
 
     def _apply(self, d: Decision) -> None:
-        """Threads, env workers (added, or retired once drained) and the cluster CPU request."""
-        if d.plan != self.c.threads:
+        """Threads, generator replicas and env workers (added once started, retired once drained)
+        and the cluster CPU request."""
+        c = self.c
+        while len(c.fleet.router.live) + len(c.starting_generators) < d.generator_replicas:
+            c.start_generator(*self._new_generator())
+        while len(c.fleet.router.live) > max(1, d.generator_replicas - len(c.starting_generators)):
+            c.retire_generator()
+        if d.plan != c.threads:
             self.set_threads(*d.plan)
-        while len(self.c.envs) + len(self.c.starting) < d.env_workers:
-            self.c.start_env(self._new_env_worker())
-        while len(self.c.envs) > max(1, d.env_workers - len(self.c.starting)):
-            self.c.retire_env()
-        self.c.poll_envs()
-        self.c.request_cpus(d.request_cpus)
+        while len(c.envs) + len(c.starting) < d.env_workers:
+            c.start_env(self._new_env_worker())
+        while len(c.envs) > max(1, d.env_workers - len(c.starting)):
+            c.retire_env()
+        c.poll_envs()
+        c.request_cpus(d.request_cpus)
+
+    def _free_cpus(self, share: float) -> float:
+        """The plan's shares fill the cluster's CPUs (run.build): an actor beyond them takes what is
+        free, else none, so that Ray never leaves it pending; threads, not Ray's count, bound the work."""
+        return min(share, ray.available_resources().get("CPU", 0.0))
+
+    def _new_generator(self):
+        """(index, actor): a generator replica like those the run was built with, under a new index."""
+        from lockstep.runtime.run import generator_replica, resolve_model, spread  # run.py imports this module
+
+        i = self.c.fleet.new_index()
+        others = spread(self.plan)[1]
+        self.c.stats["alloc/generator_replicas_started"] += 1
+        return i, generator_replica(self.spec, resolve_model(self.spec), self.dir, i,
+                                    self._free_cpus(self.plan.generator_cpus), **others[i % len(others)])
 
     def _new_env_worker(self):
         """An EnvWorker like those the run was built with (run.build), under a name not used yet:
@@ -218,11 +239,8 @@ class Run(RunDirectory):
 
         serial = self.c.stats["alloc/env_workers_started"]
         self.c.stats["alloc/env_workers_started"] += 1
-        # The plan's shares fill the cluster's CPUs (run.build): a worker beyond them takes what is
-        # free, else none, so that Ray never leaves it pending; threads, not Ray's count, bound the work.
-        share = min(self.plan.env_cpus, ray.available_resources().get("CPU", 0.0))
-        return env_worker(self.spec, resolve_model(self.spec), self.dir, f"env-alloc{serial:.0f}", share,
-                          self.c.fleet.names)
+        return env_worker(self.spec, resolve_model(self.spec), self.dir, f"env-alloc{serial:.0f}",
+                          self._free_cpus(self.plan.env_cpus))
 
     def _end_stage(self, kind: str, started: float, busy0, steps: int, samples: int) -> None:
         """Per-stage throughput and idle fractions, then a checkpoint at the stage boundary."""
@@ -326,14 +344,19 @@ class Run(RunDirectory):
             return None
         # Env workers up to one per CPU of the budget: each takes a quarter CPU share in the plan,
         # and more would only queue on the same cores.
+        replicas = len(self.c.fleet.router.live)
         allocator = Allocator(cpus, env_workers=len(self.c.envs), max_env_workers=max(r.env_workers, cpus),
-                              generator_replicas=len(self.c.fleet.router.live))
+                              generator_replicas=replicas,
+                              max_generator_replicas=self.plan.max_generator_replicas)
         self.set_threads(*allocator.current)
         return allocator
 
     def _close_allocation(self) -> None:
-        """At the stage's end: settle the env workers starting or retiring, give back any CPUs."""
+        """At the stage's end: settle the env workers and replicas starting or retiring, give back
+        any CPUs. (A retired replica still holding groups of the stage is stopped once the next
+        stage's loop has dropped them, or at the run's end.)"""
         self.c.poll_envs(block=True)
+        self.c.poll_generators(block=True)
         self.c.request_cpus(0)
 
     def rl(self, stage: StageSpec, index: int) -> float:
@@ -361,10 +384,13 @@ class Run(RunDirectory):
             self.metrics.log(self.pos["global_step"], record)
             self._window_step(window, batch, counts)
             self.c.poll_envs()  # an env worker the allocator started is used as soon as it is up
+            if self.c.poll_generators():  # a replica joined: the window measures the fleet with it
+                window.update(self._open_window())
             if step % stage.eval_every == 0:
                 with self._outside_window(window):
                     state["acc"] = self.evaluate("rl")
-            if stage.max_staleness > 0 and step % self.spec.runtime.allocator_window == 0:
+            if (stage.max_staleness > 0 and window["steps"] >= self.spec.runtime.allocator_window
+                    and not self.c.starting_generators):
                 window.update(self.rebalance(allocator, window))
             self.progress(self.pos["global_step"], f"rl {step}/{stage.steps}", state["acc"], reward=record["rollout/reward_mean"])
             self.maybe_checkpoint()

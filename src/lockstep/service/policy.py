@@ -73,7 +73,7 @@ class Limits:
     """train.replicas (trainer processes of a job)."""
     max_micro_batches: int = 256
     max_rollout_replicas: int = 4
-    """rollout.replicas (generator processes of a job)."""
+    """rollout.replicas and rollout.max_replicas (generator processes of a job)."""
     max_fork_branches: int = 8
     """rollout.fork.branches (continuations per forked episode)."""
     max_sandbox_wall_s: float = 60.0
@@ -187,7 +187,7 @@ _CAPS = (  # (cap, the spec fields it bounds)
     ("max_tokens", ("env.max_tokens",)), ("max_turns", ("env.max_turns",)), ("max_env_retries", ("env.retries",)),
     ("max_lora_rank", ("model.lora_rank",)), ("max_fork_branches", ("rollout.fork.branches",)),
     ("max_train_replicas", ("train.replicas",)), ("max_micro_batches", ("train.micro_batches",)),
-    ("max_rollout_replicas", ("rollout.replicas",)),
+    ("max_rollout_replicas", ("rollout.replicas", "rollout.max_replicas")),
     *((f"max_sandbox_{name}", (f"env.sandbox.{name}",)) for name in (
         "wall_s", "cpu_s", "memory_mb", "processes", "file_size_mb", "open_files", "output_kb", "tmpfs_mb")),
 )
