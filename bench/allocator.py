@@ -5,8 +5,9 @@
 The same asynchronous GRPO stage (the built-in model, 8 prompts x 8 samples a step, max_staleness
 1, a fixed number of steps, every core of the machine as the run's budget) under each static split
 (runtime.allocator = false: trainer:generator threads 1:1, 2:1, 1:2, with 1 or 2 env workers) and
-under the allocator (runtime.allocator = true, starting from one env worker, a decision every
-`--window` steps). Each run is its own `lockstep run` process; the configurations are run in
+under the allocator (runtime.allocator = true, a decision every `--window` steps; it builds one
+env worker per rollout batch in flight with the run, runtime/plan.py), and under the allocator
+with rollout.replicas = "auto" (it may also run a second generator replica). Each run is its own `lockstep run` process; the configurations are run in
 rounds, in the same order each round, so that drift of the machine touches every one alike.
 Per configuration: steps/s and sampled tokens/s over the RL stage (the median over rounds); for
 the allocator, its ratio to the best and to the worst static split and the plans it chose.
@@ -44,7 +45,7 @@ def one(run_dir: Path, steps: int, overrides: list[str]) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     decisions = [r for r in records if "alloc/reason" in r]
     plans = Counter(f"{r['alloc/trainer_threads']}:{r['alloc/generator_threads']}/{r['alloc/env_workers']}"
-                    for r in decisions)
+                    f"/{r['alloc/generator_replicas']}" for r in decisions)
     return {"steps_per_s": rl["steps"] / rl["seconds"],
             "sampled_tokens_per_s": summary["counters"]["tokens/sampled"] / rl["seconds"],
             "plans": dict(plans), "replans": sum(r["alloc/reason"] == 5 for r in decisions)}
@@ -55,6 +56,7 @@ def configs(window: int) -> dict[str, list[str]]:
                                          f"runtime.generator_threads={g}", f"runtime.env_workers={e}"]
            for t, g, e in STATIC}
     out["allocator"] = ["runtime.allocator=true", "runtime.env_workers=1", f"runtime.allocator_window={window}"]
+    out["allocator, auto replicas"] = [*out["allocator"], "rollout.replicas='auto'"]
     return out
 
 
@@ -76,15 +78,17 @@ def main() -> None:
     rows = [{"config": name, "steps_per_s": median(x["steps_per_s"] for x in rs),
              "sampled_tokens_per_s": median(x["sampled_tokens_per_s"] for x in rs),
              "per_round_steps_per_s": " / ".join(f"{x['steps_per_s']:.2f}" for x in rs)} for name, rs in runs.items()]
-    static = [r for r in rows if r["config"] != "allocator"]
-    alloc = next(r for r in rows if r["config"] == "allocator")
+    static = [r for r in rows if not r["config"].startswith("allocator")]
     best, worst = max(static, key=lambda r: r["steps_per_s"]), min(static, key=lambda r: r["steps_per_s"])
-    emit("allocator", rows, {"steps": args.steps, "rounds": args.rounds, "window": args.window,
-                             "best_static": best["config"], "worst_static": worst["config"],
-                             "allocator_vs_best": alloc["steps_per_s"] / best["steps_per_s"],
-                             "allocator_vs_worst": alloc["steps_per_s"] / worst["steps_per_s"],
-                             "allocator_plans": [x["plans"] for x in runs["allocator"]],
-                             "allocator_replans": [x["replans"] for x in runs["allocator"]]})
+    summary = {"steps": args.steps, "rounds": args.rounds, "window": args.window,
+               "best_static": best["config"], "worst_static": worst["config"]}
+    for alloc in (r for r in rows if r["config"].startswith("allocator")):
+        name = alloc["config"]
+        summary[name] = {"vs_best": alloc["steps_per_s"] / best["steps_per_s"],
+                         "vs_worst": alloc["steps_per_s"] / worst["steps_per_s"],
+                         "plans (threads t:g / env workers / replicas: windows)": [x["plans"] for x in runs[name]],
+                         "replans": [x["replans"] for x in runs[name]]}
+    emit("allocator", rows, summary)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ class Plan:
     """Generator actors behind the router at the start; each takes `generator_cpus`."""
     max_generator_replicas: int = 1
     """How many the allocator may grow the fleet to (rollout.replicas = "auto"), else the same."""
+    env_workers: int = 1
+    """Env workers built with the run (see `env_workers`)."""
     weight_sync: str = "rolling"
     placement: str = "pack"
 
@@ -51,11 +53,27 @@ def generator_replicas(spec: RunSpec, budget: int) -> tuple[int, int]:
     return start, max(start, min(budget, most))
 
 
+def busy_env_workers(spec: RunSpec, budget: int) -> int:
+    """The most env workers an asynchronous stage keeps busy at once: each rollout batch in flight
+    (max_staleness + 1) is one call on one worker, so more than that only idle (at most one per CPU)."""
+    return max([min(budget, s.max_staleness + 1) for s in spec.stages if s.kind == "rl" and s.max_staleness > 0],
+               default=1)
+
+
+def env_workers(spec: RunSpec, budget: int) -> int:
+    """runtime.env_workers; with the allocator on, at least `busy_env_workers`: a worker built with
+    the run starts beside the others, one the allocator adds mid-run is a process start on the
+    cores the loop is using (a window at 0.5x, BENCHMARKS.md §17), and retiring an idle one is free."""
+    r = spec.runtime
+    return max(r.env_workers, busy_env_workers(spec, budget)) if r.allocator else r.env_workers
+
+
 def make_plan(spec: RunSpec) -> Plan:
     r = spec.runtime
     budget = r.cpus or os.cpu_count() or 2
     replicas, (generators, most) = spec.train.replicas, generator_replicas(spec, budget)
-    share = budget / (generators + replicas + 0.25 * r.env_workers)  # each replica of both, the envs
+    envs = env_workers(spec, budget)
+    share = budget / (generators + replicas + 0.25 * envs)  # each replica of both, the envs
     stages = []
     for s in spec.stages:
         if s.kind == "sft":
@@ -70,4 +88,4 @@ def make_plan(spec: RunSpec) -> Plan:
     down = lambda x: math.floor(x * 1000) / 1000  # noqa: E731 - rounded up, the shares could sum past the budget
     return Plan(r.ray_address, budget, down(share), down(share), down(0.25 * share),
                 r.trainer_threads, r.generator_threads, tuple(stages), replicas, spec.train.micro, generators,
-                most, spec.rollout.weight_sync, r.placement)
+                most, envs, spec.rollout.weight_sync, r.placement)

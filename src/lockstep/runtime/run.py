@@ -138,7 +138,7 @@ def build(spec: RunSpec, plan: Plan, model_path: str, run_dir: Path) -> ctl.Comp
                   for i in range(plan.generator_replicas)]
     fleet = GeneratorFleet(generators, r.call_timeout_s, plan.weight_sync)
     envs = [env_worker(spec, model_path, run_dir, f"env{i}", plan.env_cpus, **others[i % len(others)])
-            for i in range(r.env_workers)]
+            for i in range(plan.env_workers)]
     c = ctl.Components(trainer, fleet, envs, r.call_timeout_s)
     c.note_incarnations()  # also surfaces start-up errors early
     return c

@@ -342,10 +342,9 @@ class Run(RunDirectory):
         if not r.allocator:  # static: as configured
             self.set_threads(r.trainer_threads, r.generator_threads)
             return None
-        # Env workers up to one per CPU of the budget: each takes a quarter CPU share in the plan,
-        # and more would only queue on the same cores.
         replicas = len(self.c.fleet.router.live)
-        allocator = Allocator(cpus, env_workers=len(self.c.envs), max_env_workers=max(r.env_workers, cpus),
+        most_envs = max(r.env_workers, min(cpus, stage.max_staleness + 1))  # more are never busy at once (plan.py)
+        allocator = Allocator(cpus, env_workers=len(self.c.envs), max_env_workers=most_envs,
                               generator_replicas=replicas,
                               max_generator_replicas=self.plan.max_generator_replicas)
         self.set_threads(*allocator.current)
