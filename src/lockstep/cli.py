@@ -69,14 +69,15 @@ def _load_spec(args):
     from lockstep.config import ConfigError, load
 
     if args.resume:
-        if args.config or args.overrides:
-            raise ConfigError("--resume continues a run with its own config.json; drop the config and overrides")
+        if args.config:
+            raise ConfigError("--resume continues a run with its own config.json; drop the config file (overrides "
+                              "of where it runs, e.g. train.replicas=4, are accepted)")
         path = Path(args.resume) / "config.json"
         if not path.is_file():
             raise ConfigError(f"--resume {args.resume}: no config.json there (is it a run directory?)")
-        from lockstep.config import from_dict
+        from lockstep.config import from_dict, rescale
 
-        spec = from_dict(json.loads(path.read_text()))
+        spec = rescale(from_dict(json.loads(path.read_text())), args.overrides)
     else:
         spec = load(args.config, args.overrides)
     if args.ray_address:

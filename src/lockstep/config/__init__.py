@@ -1,7 +1,7 @@
 """Run configuration: typed specs (types.py) and TOML loading with overrides (load.py)."""
 
-from lockstep.config.load import apply_overrides, from_dict, load, to_dict
+from lockstep.config.load import RESCALABLE, apply_overrides, from_dict, load, rescale, to_dict
 from lockstep.config.types import ConfigError, EnvSpec, ModelSpec, RunSpec, RuntimeSpec, StageSpec
 
 __all__ = ["ConfigError", "EnvSpec", "ModelSpec", "RunSpec", "RuntimeSpec", "StageSpec",
-           "apply_overrides", "from_dict", "load", "to_dict"]
+           "RESCALABLE", "apply_overrides", "from_dict", "load", "rescale", "to_dict"]

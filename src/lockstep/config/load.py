@@ -150,3 +150,33 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunSp
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a table of sections at the top level")
     return from_dict(apply_overrides(data, overrides))
+
+
+RESCALABLE = ("train.replicas", "rollout.replicas", "rollout.max_replicas", "rollout.weight_sync", "runtime.cpus",
+              "runtime.placement", "runtime.env_workers", "runtime.trainer_threads", "runtime.generator_threads",
+              "runtime.allocator", "runtime.allocator_window", "runtime.call_timeout_s", "runtime.max_restarts")
+"""What `lockstep run --resume DIR key=value` may change: where and on how many processes the run
+goes on, none of what it computes (the forward is batch and thread invariant, a sync run is the
+same on any number of generator replicas, and a step's micro-batches are pinned below)."""
+
+
+def rescale(spec: RunSpec, overrides: Sequence[str]) -> RunSpec:
+    """`spec` (a run's config.json) with scale-out overrides for a resume, e.g. on more nodes.
+    train.replicas may change only where the step's micro-batches stay those of the checkpointed
+    run: micro_batches 0 (one per replica) is pinned to the old count, and more replicas than
+    micro-batches is refused, since a step accumulated over other micro-batches is not the same step."""
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key not in RESCALABLE:
+            raise ConfigError(f"--resume: {key} cannot change when a run resumes (the continued run would not be the "
+                              f"one checkpointed); these can: {', '.join(RESCALABLE)}")
+    data = to_dict(spec)
+    data["train"]["micro_batches"] = spec.train.micro
+    data = apply_overrides(data, overrides)
+    replicas = data["train"]["replicas"]
+    if isinstance(replicas, int) and replicas > spec.train.micro:
+        raise ConfigError(f"--resume: train.replicas = {replicas} would need at least {replicas} micro-batches a "
+                          f"step, but this run accumulates {spec.train.micro} (train.micro_batches), and a step "
+                          f"over other micro-batches is not the same step; resume with train.replicas <= "
+                          f"{spec.train.micro}")
+    return from_dict(data)
