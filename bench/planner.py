@@ -14,10 +14,13 @@ Parts 1-2 write bench/results/planner_engine.json, part 3 planner_rl.json (--thr
    runs: the median of --repeats after a warm-up, and the best of as many more.
 3. One RL step, synchronous (rl.max_staleness=0) and asynchronous (2): `lockstep run` of
    bench/configs/rl_only.toml from the warmed-up model (bench/rl_common.py), runtime.cpus=2, for
-   --rl-seconds, no evaluations; measured: the median of time/step_s. Predicted by plan_run for the
-   same config, as the config states it (one batch sampled a step) and with the groups the run
-   really sampled a step (groups with no reward signal are dropped and sampled again); and the
-   trainer's busy time per step (time/trainer_busy_s) against the predicted train step.
+   --rl-seconds, no evaluations, the allocator off (the planner predicts the configured 1 + 1
+   threads); measured: the median of time/step_s. Predicted by plan_run for the same config at its
+   own staleness bound (pin_staleness), as the config states it (every group with reward signal),
+   and with the share of groups without signal the run measured (filter/zero_variance over the
+   groups its rollout batches drew: the runtime draws more batches until a step is full,
+   planner/loop.py); and the trainer's busy time per step (time/trainer_busy_s) against the
+   predicted train step.
 """
 
 from __future__ import annotations
@@ -76,15 +79,18 @@ def rl_run(model: Path, run_dir: Path, staleness: int, seconds: float) -> dict:
     """`lockstep run` of one RL stage; the median step and the groups sampled per step."""
     shutil.rmtree(run_dir, ignore_errors=True)
     overrides = [f"model.path='{model}'", f"rl.max_staleness={staleness}", f"rl.max_seconds={seconds}",
-                 "rl.target_accuracy=0", "rl.eval_every=100000", "env.pass_k=0", "runtime.cpus=2"]
+                 "rl.target_accuracy=0", "rl.eval_every=100000", "env.pass_k=0", "runtime.cpus=2",
+                 "runtime.allocator=false"]
     subprocess.run([*LOCKSTEP, "run", str(ROOT / "bench/configs/rl_only.toml"), "--run-dir", str(run_dir), *overrides],
                    check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "time/step_s" in r][2:]  # the first steps include the pipeline's fill
-    dropped = [sum(v for k, v in r.items() if k.startswith("filter/") and isinstance(v, (int, float))) for r in steps]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    batches = sum(1 for line in (run_dir / "trace.jsonl").read_text().splitlines() if '"generate"' in line)
+    prompts = load(str(ROOT / "bench/configs/rl_only.toml"), overrides).stages[0].prompts_per_step
     return {"step_s": median(r["time/step_s"] for r in steps), "steps": len(steps),
-            "trainer_busy_s": median(r["time/trainer_busy_s"] for r in steps),
-            "dropped_groups_per_step": sum(dropped) / len(dropped), "overrides": overrides}
+            "trainer_busy_s": median(r["time/trainer_busy_s"] for r in steps), "rollout_batches": batches,
+            "zero_variance": summary["counters"]["filter/zero_variance"] / (batches * prompts), "overrides": overrides}
 
 
 def rl_rows(work_dir: Path, seconds: float) -> list[dict]:
@@ -93,16 +99,15 @@ def rl_rows(work_dir: Path, seconds: float) -> list[dict]:
     for staleness in (0, 2):
         run = rl_run(model, work_dir / f"planner-rl-{staleness}", staleness, seconds)
         spec = load(str(ROOT / "bench/configs/rl_only.toml"), run["overrides"])
-        plain = plan_run(spec, cpu_cluster(2))
-        work = spec_workload(spec)
-        stage = next(s for s in spec.stages if s.kind == "rl")
-        sampled = round((stage.prompts_per_step + run["dropped_groups_per_step"]) * stage.group_size)
-        real = plan_run(spec, cpu_cluster(2), workload=dataclasses.replace(work, generated=sampled))
+        plain = plan_run(spec, cpu_cluster(2), pin_staleness=True)
+        work = dataclasses.replace(spec_workload(spec), zero_variance=run["zero_variance"])
+        real = plan_run(spec, cpu_cluster(2), workload=work, pin_staleness=True)
         kind = "sync" if staleness == 0 else f"async (staleness {staleness})"
         rows.append({"what": f"RL step, {kind}, as configured (s)", "threads": "1+1", "predicted": plain.step_s,
                      "measured": run["step_s"], "ratio": plain.step_s / run["step_s"]})
-        rows.append({"what": f"RL step, {kind}, {sampled} sampled/step (s)", "threads": "1+1",
-                     "predicted": real.step_s, "measured": run["step_s"], "ratio": real.step_s / run["step_s"]})
+        rows.append({"what": f"RL step, {kind}, {run['zero_variance']:.0%} of groups without signal (s)",
+                     "threads": "1+1", "predicted": real.step_s, "measured": run["step_s"],
+                     "ratio": real.step_s / run["step_s"]})
         rows.append({"what": f"RL step, {kind}: trainer busy per step (s)", "threads": "1+1",
                      "predicted": real.train.step_s, "measured": run["trainer_busy_s"],
                      "ratio": real.train.step_s / run["trainer_busy_s"]})

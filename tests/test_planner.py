@@ -95,6 +95,74 @@ def test_staleness_bound_limits_batches_in_flight():
     assert simulate(generate_s=0.2, train_s=1.0, sync_s=2.0, max_staleness=3).step_s == pytest.approx(1.0)
 
 
+# --- the RL loop as the runtime runs it ------------------------------------------------------------
+
+def _runtime_rounds(prompts: int, q: float, steps: int, sync: bool, rng) -> float:
+    """The controller's dynamic sampling (RLLoop.batch_ready), drawn: batches of `prompts` groups,
+    each with signal with probability q; a step takes `prompts` of them, after at most
+    MAX_REFILL_BATCHES batches; leftovers go stale in a sync loop and are kept in an async one."""
+    from lockstep.runtime.types import MAX_REFILL_BATCHES
+
+    batches, buffer = 0, 0
+    for _ in range(steps):
+        refills = 0
+        while True:
+            buffer += sum(rng.random() < q for _ in range(prompts))
+            batches, refills = batches + 1, refills + 1
+            if buffer >= prompts or refills >= MAX_REFILL_BATCHES:
+                break
+        buffer = 0 if sync else max(0, buffer - prompts)
+    return batches / steps
+
+
+@pytest.mark.parametrize("zero_variance", [0.0, 0.17, 0.5, 0.9])
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_rollout_rounds_per_step_match_the_runtimes_refill_rule(zero_variance, staleness):
+    import random
+
+    from lockstep.planner.loop import rounds_per_step
+
+    drawn = _runtime_rounds(16, 1 - zero_variance, 20000, staleness == 0, random.Random(0))
+    assert rounds_per_step(16, zero_variance, staleness) == pytest.approx(drawn, rel=0.03)
+    assert 1 <= rounds_per_step(16, zero_variance, staleness) <= 4
+
+
+def test_a_workload_share_without_signal_is_checked():
+    with pytest.raises(ValueError, match="zero_variance must be in"):
+        Workload("rl", 8, 4, 4, zero_variance=1.0)
+
+
+@pytest.mark.slow  # timing: a 30-s `lockstep run`; bench/planner.py reports the same comparison, async too
+def test_a_whole_synchronous_rl_step_of_this_machine_within_25_percent(tmp_path, warm_dir):
+    """`lockstep run` of a synchronous RL stage from a warmed-up model (16 prompts x 8, the
+    allocator off so that the configured 1 + 1 threads run), against the planner's step for the
+    same config, given the share of groups without signal the run measured: sampling and its
+    rollout rounds, the env work, the train step, the weight sync. (The asynchronous step is
+    predicted 0.77x of measured: BENCHMARKS.md section 16 says what the model leaves out.)"""
+    staleness = 0
+    import ray
+
+    from lockstep.config import load
+    from lockstep.planner import cpu_cluster, plan_run
+    from lockstep.planner.shapes import spec_workload
+    from lockstep.runtime.run import run
+
+    spec = load(None, ["stages=[{kind = 'rl', steps = 3000, prompts_per_step = 16, group_size = 8, eval_every = 100000, "
+                       f"max_seconds = 30.0, target_accuracy = 0.0, max_staleness = {staleness}}}]",
+                       f"model.path='{warm_dir}'", "env.num_heldout=8", "env.pass_k=0", "runtime.cpus=2",
+                       "runtime.allocator=false", "runtime.checkpoint_every=0"])
+    d = tmp_path / "run"
+    summary = run(spec, d)
+    ray.shutdown()
+    steps = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    measured = statistics.median([r["time/step_s"] for r in steps if "time/step_s" in r][2:])
+    batches = sum('"generate"' in x for x in (d / "trace.jsonl").read_text().splitlines())
+    zero_variance = summary["counters"]["filter/zero_variance"] / (batches * 16)
+    work = replace(spec_workload(spec), zero_variance=zero_variance)
+    predicted = plan_run(spec, cpu_cluster(2), workload=work, pin_staleness=True).step_s
+    assert abs(predicted / measured - 1) <= 0.25, (predicted, measured, zero_variance)
+
+
 # --- published runs: within 20% --------------------------------------------------------------------
 
 def test_every_published_row_is_cited():

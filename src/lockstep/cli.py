@@ -208,6 +208,8 @@ def _dry_run_strategy(spec) -> dict:
 
 
 def _cmd_plan(args) -> int:
+    from dataclasses import replace
+
     from rich.console import Console
 
     from lockstep.config import load
@@ -220,8 +222,10 @@ def _cmd_plan(args) -> int:
         if args.gpus and args.cpus:
             raise PlanRefused("devices", "pass --gpus KIND:COUNT or --cpus N, not both")
         cluster = parse_gpus(args.gpus) if args.gpus else cpu_cluster(args.cpus) if args.cpus is not None else None
-        work = spec_workload(spec, prompt=args.prompt_tokens)
-        strategy = plan_run(spec, cluster, model_config=args.model_config, prompt_tokens=args.prompt_tokens)
+        if not 0.0 <= args.zero_variance < 1.0:
+            raise PlanRefused("workload", f"--zero-variance {args.zero_variance}: expected a share in [0, 1)")
+        work = replace(spec_workload(spec, prompt=args.prompt_tokens), zero_variance=args.zero_variance)
+        strategy = plan_run(spec, cluster, model_config=args.model_config, workload=work)
     except PlanRefused as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -543,6 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "(default: the config's model)")
     plan.add_argument("--prompt-tokens", type=int, metavar="N", help="tokens of a typical prompt (needed where the "
                                                                      "env's prompts come from data)")
+    plan.add_argument("--zero-variance", type=float, default=0.0, metavar="F",
+                      help="share of prompt groups without reward signal (a run logs filter/zero_variance): "
+                           "the runtime draws more rollout batches for them (default 0)")
     plan.add_argument("--json", action="store_true", help="print the strategy as JSON")
     plan.set_defaults(func=_cmd_plan)
     dash = sub.add_parser("dashboard", help="a run's live page in the browser (or a list of a directory's runs)")

@@ -218,6 +218,39 @@ def cpu_model_name() -> str:
     return "cpu"
 
 
+def env_episode_s(spec, model_path: str, groups: int = 2) -> float:
+    """Seconds of env work per episode, as the env worker does it: build a group's envs, their first
+    observation, one step with a completion of the planned length, its reward. Measured on the
+    config's own env suite (its first `groups` training groups, after a warm-up on the same ones)."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from lockstep.envs.registry import make_suite
+    from lockstep.planner.shapes import completion_tokens
+
+    stage = next(st for st in spec.stages if st.kind == "rl")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    builders = list(make_suite(spec.env, tokenizer, seed=spec.seed).train(stage.prompts_per_step).get_batch(0))[:groups]
+    action = (tokenizer.encode("0123456789") * completion_tokens(spec))[: completion_tokens(spec)]
+
+    async def episode(env) -> None:
+        try:
+            await env.initial_observation()
+            await env.step(list(action))
+        except Exception:  # noqa: BLE001 - a failing env still costs its time, as in a run
+            pass
+
+    async def rollout() -> None:
+        envs = [env for b in builders for env in b.make_envs(stage.group_size, tokenizer)]
+        await asyncio.gather(*(episode(env) for env in envs))
+
+    asyncio.run(rollout())  # warm-up: imports, caches
+    t = time.perf_counter()
+    asyncio.run(rollout())
+    return (time.perf_counter() - t) / (len(builders) * stage.group_size)
+
+
 @functools.lru_cache(maxsize=16)
 def calibrate_cpu(shape: ModelShape, *, threads: int, train_rows: int, decode_rows: int,
                   repeats: int = 5) -> Device:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable
 
 from lockstep.planner.cost import generate_batch, generator_memory, max_rows, trainer_step, weight_sync_s
+from lockstep.planner.loop import rounds_per_step
 from lockstep.planner.simulate import simulate
 from lockstep.planner.types import (GIB, Device, GenerateCost, Memory, ModelShape, PlanRefused, Simulation, Strategy,
                                     TrainCost, TrainLayout, Workload)
@@ -83,7 +84,7 @@ def _pinned_text(pinned: Pinned) -> str:
 
 def _rows(work: Workload, replicas: int) -> int:
     """Sequences per replica: whole prompt groups (a group stays on one replica)."""
-    prompts = math.ceil(work.sampled / work.group_size)
+    prompts = math.ceil(work.sequences / work.group_size)
     return math.ceil(prompts / replicas) * work.group_size
 
 
@@ -173,8 +174,9 @@ def _better(step_s: float, used: int, best: Strategy) -> bool:
 
 def plan_cpu(shape: ModelShape, work: Workload, *, trainer_device: Device, generator_device: Device, cores: int,
              trainer_replicas: int, trainer_threads: int, micro_batches: int, generator_threads: int,
-             replicas: int | None) -> Strategy:
-    """This machine: the engine's processes share `cores` cores; oversubscribed threads time-share."""
+             replicas: int | None, pin_staleness: bool = False) -> Strategy:
+    """This machine: the engine's processes share `cores` cores; oversubscribed threads time-share.
+    The staleness bound is searched up to the workload's (`pin_staleness`: only it, as a run takes it)."""
     layout = TrainLayout(dp=trainer_replicas, micro_batch=math.ceil(work.sequences / micro_batches))
     train = trainer_step(shape, work, trainer_device, layout)
     trainer_cores = trainer_replicas * trainer_threads
@@ -188,16 +190,23 @@ def plan_cpu(shape: ModelShape, work: Workload, *, trainer_device: Device, gener
         _check_ram(trainer_device, train_memory, gen.memory, count)
         gen_cores = count * generator_threads
         sync = weight_sync_s(shape, trainer_device, 1)
-        for k in range(work.max_staleness + 1):
+        # A rollout round: sampling plus the env worker's episodes (planner/loop.py).
+        round_s = gen.batch_s + work.env_episode_s * work.sequences
+        for k in ((work.max_staleness,) if pin_staleness else range(work.max_staleness + 1)):
             considered += 1
+            rounds = rounds_per_step(work.sequences // work.group_size, work.zero_variance, k)
             # Threads beyond the cores time-share them; generator and trainer overlap only when async.
             busy = gen_cores + trainer_cores if k else max(gen_cores, trainer_cores)
             slow = max(1.0, busy / cores)
-            sim = simulate(generate_s=gen.batch_s * slow, train_s=train.step_s * slow, sync_s=sync, max_staleness=k)
+            sim = simulate(generate_s=rounds * round_s * slow, train_s=train.step_s * slow, sync_s=sync,
+                           max_staleness=k)
             if best is None or sim.step_s < best.step_s / STALENESS_SLACK:
+                notes = ((f"threads {busy} on {cores} cores: x{slow:.2f} time-sharing",) if slow > 1 else ()) + (
+                    (f"{rounds:.2f} rollout rounds a step ({work.zero_variance:.0%} of groups without signal)",)
+                    if rounds > 1 else ()) + ((f"env work {work.env_episode_s * 1e3:.2f} ms an episode (measured)",)
+                                              if work.env_episode_s else ("env work not measured: left out",))
                 best = Strategy(trainer_device.name, cores, gen_cores, trainer_cores, count, 1, layout, k, sim.step_s,
-                                train, gen, sim, notes=(f"threads {busy} on {cores} cores: x{slow:.2f} time-sharing",)
-                                if slow > 1 else ())
+                                train, gen, sim, notes=notes)
     return replace(best, considered=considered)
 
 

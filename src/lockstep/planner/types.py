@@ -100,9 +100,12 @@ class Workload:
     group_size: int = 1
     max_staleness: int = 0
     """How many policy versions a batch may lag; max_staleness + 1 batches are in flight."""
-    generated: int = 0
-    """Sequences sampled per step (0: `sequences`); more where groups without signal are dropped and
-    sampled again (the runtime trains once `prompts_per_step` groups with signal are in)."""
+    zero_variance: float = 0.0
+    """Share of prompt groups whose samples all get the same reward (no signal): the runtime draws
+    more rollout batches until `prompts_per_step` groups with signal are in (planner/loop.py). It
+    depends on the policy and the data, so it is an input (a run logs it: filter/zero_variance)."""
+    env_episode_s: float = 0.0
+    """Env work per episode (its calls and reward) in the env worker, measured for a CPU plan."""
 
     def __post_init__(self) -> None:
         for name in ("sequences", "prompt_tokens", "group_size"):
@@ -113,10 +116,8 @@ class Workload:
             raise ValueError(f"workload: completion_tokens must be an integer >= 0, got {self.completion_tokens!r}")
         if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(f"workload: max_staleness must be an integer >= 0, got {self.max_staleness!r}")
-
-    @property
-    def sampled(self) -> int:
-        return self.generated or self.sequences
+        if not 0.0 <= self.zero_variance < 1.0:
+            raise ValueError(f"workload: zero_variance must be in [0, 1), got {self.zero_variance!r}")
 
     @property
     def trained_tokens_per_sequence(self) -> float:

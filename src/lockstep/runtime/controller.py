@@ -43,13 +43,9 @@ from lockstep.runtime.calls import ComponentDead, ComponentError, is_component_l
 from lockstep.runtime.filters import FilterReport, clean, to_datums, too_stale
 from lockstep.runtime.fleet import GeneratorFleet
 from lockstep.runtime.ledger import Ledger
-from lockstep.runtime.types import RolloutGroup, RolloutRequest
+from lockstep.runtime.types import MAX_REFILL_BATCHES, RolloutGroup, RolloutRequest
 
 log = logging.getLogger("lockstep.run")
-
-MAX_REFILL_BATCHES = 4
-"""Dynamic sampling draws at most this many batches per step before completing the batch with
-zero-variance groups (zero advantage, so no gradient) rather than waiting forever."""
 
 
 class TrainerLost(RuntimeError):

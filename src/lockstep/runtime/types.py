@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_REFILL_BATCHES = 4
+"""Dynamic sampling draws at most this many rollout batches per step before completing the batch
+with zero-variance groups (zero advantage, so no gradient) rather than waiting forever (the
+planner's loop model counts on it too)."""
+
 
 @dataclass(frozen=True)
 class Sample:
