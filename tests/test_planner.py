@@ -138,7 +138,7 @@ def test_a_whole_synchronous_rl_step_of_this_machine_within_25_percent(tmp_path,
     allocator off so that the configured 1 + 1 threads run), against the planner's step for the
     same config, given the share of groups without signal the run measured: sampling and its
     rollout rounds, the env work, the train step, the weight sync. (The asynchronous step is
-    predicted 0.77x of measured: BENCHMARKS.md section 16 says what the model leaves out.)"""
+    predicted 0.67-0.78x of measured: BENCHMARKS.md section 16 says what the model leaves out.)"""
     staleness = 0
     import ray
 
