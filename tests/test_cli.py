@@ -20,6 +20,7 @@ def test_cli_surface_is_frozen():
         "run --help/-h", "run --run-dir", "run --ray-address", "run --dry-run", "run --resume", "run --metrics-port",
         "run --alerts", "run --alert-webhook", "run --dashboard",
         "plan --help/-h", "plan --gpus", "plan --cpus", "plan --model-config", "plan --prompt-tokens", "plan --json",
+        "plan --zero-variance",
         "trace --help/-h", "trace --output/-o", "dashboard --help/-h", "dashboard --port",
         "check --help/-h",
         "check consistency --help/-h", "check consistency --model", "check consistency --json",

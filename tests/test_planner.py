@@ -312,11 +312,16 @@ def test_plan_refusals_on_the_command_line(capsys, tmp_path):
                                   "num_key_value_heads": 8, "intermediate_size": 53248, "vocab_size": 128256}))
     code, _, err = _run(capsys, ["plan", "--gpus", "A100-40G:8", "--model-config", str(config)])
     assert code == 2 and "trainer memory:" in err and "A100-40G has 40 GiB" in err
+    code, _, err = _run(capsys, ["plan", "--gpus", "H100-SXM:8", "--zero-variance", "1"])
+    assert code == 2 and "--zero-variance 1.0: expected a share in [0, 1)" in err
 
 
 def test_plan_table_on_this_cpu(capsys):
     code, out, _ = _run(capsys, ["plan", "--cpus", "2"])
-    assert code == 0 and "predicted step" in out and "generator" in out
+    assert code == 0 and "predicted step" in out and "generator" in out and "env work" in out
+    code, out, _ = _run(capsys, ["plan", "--cpus", "2", "--zero-variance", "0.5", "--json"])
+    notes = json.loads(out)["notes"]
+    assert code == 0 and any("rollout rounds a step (50% of groups without signal)" in n for n in notes), notes
 
 
 def test_dry_run_adds_the_strategy_and_refuses_what_cannot_fit(capsys):
