@@ -28,12 +28,14 @@ def test_minimal_grpo_example_runs_on_the_public_api(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_minimal_grpo_example_learns(monkeypatch, tmp_path):
-    """Its own recipe, shortened: 330 supervised steps, then 10 GRPO steps (measured: held-out
-    greedy accuracy 0.00 -> 0.37 after SFT -> 0.46 after GRPO)."""
+    """Its own recipe, shortened: the warm-up until 30% held-out accuracy (at most 600 steps), then
+    30 GRPO steps (measured on a 2-vCPU Xeon: 0.00 -> 0.315 after 320 SFT steps -> 0.445 after
+    GRPO, 200 held-out problems). A fixed 330 warm-up steps reached 0.37 on an EPYC and 0.15 on
+    this Xeon: at 3e-3 the accuracy swings between evaluations, so the warm-up stops on a target."""
     monkeypatch.setenv("LOCKSTEP_HOME", str(tmp_path))
     example = load_example()
     start, _, _ = example.main(sft_steps=0, rl_steps=0)
-    after_sft, final, steps = example.main(sft_steps=330, rl_steps=10)
-    assert steps == 340
-    assert start == 0.0 and after_sft >= 0.25  # the warm-up learns (over 100 held-out problems)
+    after_sft, final, steps = example.main(sft_steps=600, rl_steps=30, sft_target=0.3)
+    assert 30 < steps < 630  # the warm-up stopped at its target, and every GRPO step reached the optimizer
+    assert start == 0.0 and after_sft >= 0.3  # the warm-up learns
     assert final > after_sft  # and GRPO adds to it
