@@ -81,8 +81,8 @@ class Components:
     requested_cpus: int = 0
     """The CPUs last asked of the cluster through request_resources (0: none)."""
     starting_generators: list = field(default_factory=list)
-    """Generator replicas the allocator started: (actor, ref of its first stats()), added to the
-    fleet once ready and given the newest weights."""
+    """Generator replicas the allocator started: (index, actor, ref of its first stats(), start
+    time), added to the fleet once ready and given the newest weights."""
 
     def actors(self) -> dict:
         return {"trainer": self.trainer, **self.fleet.live(), **{f"env{i}": e for i, e in enumerate(self.envs)}}

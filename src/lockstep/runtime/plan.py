@@ -6,7 +6,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
-from lockstep.config.types import RunSpec
+from lockstep.config.types import RunSpec, StageSpec
 
 
 @dataclass(frozen=True)
@@ -53,10 +53,15 @@ def generator_replicas(spec: RunSpec, budget: int) -> tuple[int, int]:
     return start, max(start, min(budget, most))
 
 
-def busy_env_workers(spec: RunSpec, budget: int) -> int:
-    """The most env workers an asynchronous stage keeps busy at once: each rollout batch in flight
+def stage_env_workers(stage: StageSpec, budget: int) -> int:
+    """The most env workers an RL stage keeps busy at once: each rollout batch in flight
     (max_staleness + 1) is one call on one worker, so more than that only idle (at most one per CPU)."""
-    return max([min(budget, s.max_staleness + 1) for s in spec.stages if s.kind == "rl" and s.max_staleness > 0],
+    return min(budget, stage.max_staleness + 1)
+
+
+def busy_env_workers(spec: RunSpec, budget: int) -> int:
+    """`stage_env_workers` of the config's busiest asynchronous stage (1 without one)."""
+    return max([stage_env_workers(s, budget) for s in spec.stages if s.kind == "rl" and s.max_staleness > 0],
                default=1)
 
 

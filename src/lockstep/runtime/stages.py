@@ -19,7 +19,7 @@ from lockstep.config.types import StageSpec
 from lockstep.monitor.trace import Timed
 from lockstep.runtime import controller as ctl
 from lockstep.runtime.allocator import Allocator, Decision, Window
-from lockstep.runtime.plan import Plan
+from lockstep.runtime.plan import Plan, stage_env_workers
 from lockstep.runtime.rundir import RunDirectory
 from lockstep.runtime.types import RolloutRequest
 
@@ -343,7 +343,7 @@ class Run(RunDirectory):
             self.set_threads(r.trainer_threads, r.generator_threads)
             return None
         replicas = len(self.c.fleet.router.live)
-        most_envs = max(r.env_workers, min(cpus, stage.max_staleness + 1))  # more are never busy at once (plan.py)
+        most_envs = max(r.env_workers, stage_env_workers(stage, cpus))  # more are never busy at once
         allocator = Allocator(cpus, env_workers=len(self.c.envs), max_env_workers=most_envs,
                               generator_replicas=replicas,
                               max_generator_replicas=self.plan.max_generator_replicas)
