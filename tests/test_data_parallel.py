@@ -58,6 +58,15 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k].view(np.uint32), b[k].view(np.uint32)) for k in a)
 
 
+def differences(ranks: list[dict], reference: dict) -> str:
+    """Per rank, the tensors that differ from the reference and by how much (a failure's trace)."""
+    out = []
+    for r, w in enumerate(ranks):
+        bad = {k: float(np.abs(w[k] - reference[k]).max()) for k in reference if not np.array_equal(w[k], reference[k])}
+        out.append(f"rank {r}: {len(bad)} of {len(reference)} tensors differ, e.g. {dict(list(bad.items())[:4])}")
+    return "; ".join(out)
+
+
 def test_shares_are_contiguous_and_cover_every_micro_batch():
     for m in range(0, 9):
         for n in range(1, 5):
@@ -82,7 +91,7 @@ def test_a_checkpoint_resumes_under_another_number_of_ranks(tmp_path, builtin_di
     (tmp_path / "b").mkdir()
     data_parallel(tmp_path / "a", builtin_dir, 2, 2, save=ckpt)  # 2 steps under 2 ranks, one checkpoint
     ranks = data_parallel(tmp_path / "b", builtin_dir, 3, 1, load=ckpt)  # the third under 3 ranks
-    assert all(same(w, reference) for w in ranks)
+    assert all(same(w, reference) for w in ranks), differences(ranks, reference)
 
 
 def test_an_all_reduce_of_partial_sums_would_not_be_exact(builtin_dir):

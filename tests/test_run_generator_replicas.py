@@ -192,7 +192,21 @@ def test_a_crashed_replica_is_restarted_and_its_groups_replayed(tmp_path, warm_d
     led = check_exactly_once(d, 8)
     assert max(led.attempts.values()) >= 2  # the lost batch was replayed
     got, want = weights(d), weights(reference)
-    assert all((got[k] == want[k]).all() for k in want)  # the replay changed nothing
+    assert all((got[k] == want[k]).all() for k in want), first_difference(reference, d)  # the replay changed nothing
+
+
+def first_difference(reference, d) -> str:
+    """Where a replayed run first left the reference: the step, the metrics that differ, the ledger's
+    replays and the env failures logged (what a failure here needs to be traced)."""
+    keys = ("rollout/reward_mean", "train/loss_sum", "train/grad_norm", "mismatch/abs_max", "rollout/staleness_max")
+    for a, b in zip(rl_records(reference), rl_records(d)):
+        diff = {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)}
+        if diff:
+            led = audit(d / "ledger.jsonl")
+            envs = (d / "envs.log").read_text()[-2000:] if (d / "envs.log").exists() else ""
+            return (f"first difference at step {b['step']}: {diff}; replayed groups "
+                    f"{ {g: n for g, n in led.attempts.items() if n > 1} }; envs.log: {envs!r}")
+    return "the metrics of every step agree; only the final weights differ"
 
 
 def test_a_replica_out_of_restarts_is_dropped_and_the_run_goes_on(tmp_path, warm_dir, caplog):
