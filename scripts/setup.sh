@@ -9,7 +9,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # Pin the CPU wheel before anything that depends on torch, or pip pulls a multi-GB CUDA build.
 .venv/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0"
-.venv/bin/pip install --quiet --disable-pip-version-check -e ".[dev,cookbook]"
+# gpu: Triton, whose kernels (the CUDA path) the tests run on CPU under its interpreter; pinned to the
+# version whose interpreter the tests were checked with (engine/triton_kernels.py names its quirks).
+.venv/bin/pip install --quiet --disable-pip-version-check "triton==3.8.0"
+.venv/bin/pip install --quiet --disable-pip-version-check -e ".[dev,cookbook,gpu]"
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps "tinker-cookbook==0.6.1"
 # The fused CPU kernels (src/lockstep/engine/kernels/fused.cpp), compiled once for this machine
 # (about a minute); g++ comes from Debian packages when missing. Without them the forward runs on

@@ -8,6 +8,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The CUDA path's Triton kernels run here on CPU tensors, under Triton's interpreter. triton.jit reads
+# the setting when it decorates a kernel (triton's own library too, checked again lazily), so it is set
+# for the whole test process before anything imports triton.
+os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")

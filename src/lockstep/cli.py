@@ -16,8 +16,10 @@ def _cmd_check_consistency(args) -> int:
     from lockstep.engine.tiny import ensure_tiny_model
 
     model_dir = args.model or str(ensure_tiny_model())
+    from lockstep.engine.device import Compute
+
     report = consistency.run(model_dir, seed=args.seed, max_tokens=args.max_tokens, speculative=args.speculative,
-                             draft_tokens=args.draft_tokens)
+                             draft_tokens=args.draft_tokens, compute=Compute(args.device, args.dtype))
     console = Console(stderr=args.json)
     table = Table(title=f"sampler vs trainer logprobs — {model_dir}")
     for col in ("path", "lora", "batch", "threads (sampler, trainer)", "tokens", "bitwise equal", "max |Δlogp|"):
@@ -572,6 +574,10 @@ def build_parser() -> argparse.ArgumentParser:
     cons.add_argument("--speculative", choices=DRAFTERS, default="off",
                       help="decode speculatively with this drafter (outputs must stay bit for bit)")
     cons.add_argument("--draft-tokens", type=_positive_int, default=4, help="tokens drafted per row and step")
+    from lockstep.config.types import DEVICES, DTYPES
+
+    cons.add_argument("--device", choices=DEVICES, default="cpu", help="where both sides compute (cuda: Triton kernels)")
+    cons.add_argument("--dtype", choices=DTYPES, default="float32", help="bfloat16 needs --device cuda")
     cons.set_defaults(func=_cmd_check_consistency)
     serve = sub.add_parser("serve", help="the Tinker API and job service (starts a worker too)")
     serve.add_argument("--host", default="127.0.0.1")

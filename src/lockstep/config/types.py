@@ -24,6 +24,11 @@ def _require(cond: bool, path: str, expected: str, got) -> None:
         raise ConfigError(f"{path}: expected {expected}, got {got!r}")
 
 
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16")
+"""The engine's devices and dtypes (engine/device.py), named here torch-free."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     path: str = "builtin"
@@ -34,8 +39,19 @@ class ModelSpec:
     train_experts: tuple[int, ...] | None = None
     """For a mixture-of-experts model: the experts that train (e.g. [0, 3]); the others' weights
     stay bitwise unchanged. None trains every expert. Needs lora_rank 0."""
+    device: str = "cpu"
+    """"cpu" (the fused C++ kernels) or "cuda" (the Triton kernels, engine/triton_kernels.py): where
+    the trainer and the generator compute. A run places them on GPUs when this is "cuda"."""
+    dtype: str = "float32"
+    """"float32", or "bfloat16" (bf16 weights and activations, fp32 accumulation and logprobs;
+    needs device "cuda")."""
 
     def __post_init__(self) -> None:
+        _require(self.device in DEVICES, "model.device", " or ".join(map(repr, DEVICES)), self.device)
+        _require(self.dtype in DTYPES, "model.dtype", " or ".join(map(repr, DTYPES)), self.dtype)
+        _require(self.dtype == "float32" or self.device == "cuda", "model.dtype",
+                 "'float32' on device 'cpu' (the CPU kernels are float32 only; bfloat16 needs model.device = 'cuda')",
+                 self.dtype)
         _require(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "model.lora_rank", "an integer >= 0", self.lora_rank)
         if self.train_experts is not None:
             ok = isinstance(self.train_experts, (list, tuple)) and all(
@@ -359,6 +375,9 @@ class RuntimeSpec:
     cpus: int = 0
     """CPUs this run may use for its actors and threads (0: every core of the machine); the job
     service sets it to its slot's share."""
+    gpus: int = -1
+    """GPUs this run may use with model.device = "cuda" (-1: the machine's, as CUDA_VISIBLE_DEVICES
+    or the NVIDIA driver lists them; set it when joining a cluster through ray_address)."""
     generator_threads: int = 1
     trainer_threads: int = 1
     env_workers: int = 1
@@ -387,6 +406,8 @@ class RuntimeSpec:
                  and self.allocator_window >= 1, "runtime.allocator_window", "an integer >= 1", self.allocator_window)
         _require(self.placement in ("pack", "spread"), "runtime.placement", '"pack" or "spread"', self.placement)
         _require(isinstance(self.cpus, int) and self.cpus >= 0, "runtime.cpus", "an integer >= 0", self.cpus)
+        _require(isinstance(self.gpus, int) and not isinstance(self.gpus, bool) and self.gpus >= -1, "runtime.gpus",
+                 "an integer >= 0, or -1 (the machine's)", self.gpus)
         for name in ("generator_threads", "trainer_threads", "env_workers"):
             v = getattr(self, name)
             _require(isinstance(v, int) and v >= 1, f"runtime.{name}", "an integer >= 1", v)
@@ -433,6 +454,9 @@ class RunSpec:
 
     def __post_init__(self) -> None:
         _require(len(self.stages) >= 1, "stages", "at least one stage", self.stages)
+        _require(self.model.device == "cpu" or self.rollout.speculative.drafter == "off", "rollout.speculative.drafter",
+                 '"off" with model.device = "cuda" (speculative decoding runs on the CPU path only, for now)',
+                 self.rollout.speculative.drafter)
         for i, stage in enumerate(self.stages):
             if stage.kind == "rl":
                 try:

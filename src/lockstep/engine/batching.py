@@ -90,5 +90,5 @@ def make_batch(data: Sequence[Datum], vocab_size: int) -> Batch:
                 else np.full(lengths[i], default, np.float32)
                 for i, d in enumerate(data)
             ]
-            floats[key] = torch.from_numpy(np.concatenate(parts))
+            floats[key] = torch.as_tensor(np.concatenate(parts))  # on the scope's device (a GPU trainer)
     return Batch(tokens, targets, valid, lengths, floats)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lockstep.config.types import DRAFTERS
+from lockstep.engine.device import Compute
 from lockstep.engine.drafters import make_drafter
 from lockstep.engine.model import InvariantLM, RoutingLog
 from lockstep.engine.sampler import Sampler
@@ -93,7 +94,7 @@ def _threads(n: int):
 
 def _invariant_case(trainer: Trainer, prompts, max_tokens: int, seed: int, threads: tuple[int, int],
                     tally: Tally, speculative: dict) -> dict:
-    sampler_model = InvariantLM(copy.deepcopy(trainer.hf_model))  # a published copy
+    sampler_model = InvariantLM(copy.deepcopy(trainer.hf_model), trainer.model.compute)  # a published copy
     sampler_model.routing = RoutingLog()
     drafter = make_drafter(speculative["drafter"], target=sampler_model, tokenizer=trainer.tokenizer)
     sampler = Sampler(sampler_model, trainer.tokenizer, drafter=drafter, draft_tokens=speculative["draft_tokens"])
@@ -199,8 +200,9 @@ def is_moe(model_dir: str) -> bool:
 
 
 def run(model_dir: str, *, seed: int = 0, max_tokens: int = 16, lora_rank: int = 8, speculative: str = "off",
-        draft_tokens: int = 4) -> dict:
-    """Run the workload; return the summary dict (see module docstring)."""
+        draft_tokens: int = 4, compute: Compute = Compute()) -> dict:
+    """Run the workload; return the summary dict (see module docstring). `compute`: the device and
+    dtype of both sides (the transformers comparison runs in the same)."""
     if speculative not in DRAFTERS:  # an unknown name fails before any work
         raise EngineError(f"unknown drafter {speculative!r}; choose one of {', '.join(DRAFTERS)}")
     spec = {"drafter": speculative, "draft_tokens": draft_tokens, "drafted": 0, "accepted": 0}
@@ -208,10 +210,11 @@ def run(model_dir: str, *, seed: int = 0, max_tokens: int = 16, lora_rank: int =
     ours, hf = Tally(), Tally()
     moe = is_moe(model_dir)
     for lora_on in (False,) if moe else (False, True):  # (LoRA on a mixture of experts: not supported)
-        trainer = Trainer.from_pretrained(model_dir, lora=LoraSpec(rank=lora_rank, seed=seed) if lora_on else None)
+        trainer = Trainer.from_pretrained(model_dir, lora=LoraSpec(rank=lora_rank, seed=seed) if lora_on else None,
+                                          compute=compute)
         if lora_on:
             _perturb_lora(trainer, seed)
-        plain = copy.deepcopy(trainer.hf_model)
+        plain = copy.deepcopy(trainer.hf_model).to(compute.torch_dtype)
         pad = trainer.tokenizer.pad_token_id if trainer.tokenizer.pad_token_id is not None else 0
         for bs in BATCH_SIZES:
             prompts = _prompts(rng, bs, trainer.vocab_size)
@@ -219,8 +222,9 @@ def run(model_dir: str, *, seed: int = 0, max_tokens: int = 16, lora_rank: int =
             for threads in THREADS:
                 result = _invariant_case(trainer, prompts, max_tokens, seed + bs, threads, ours, spec)
                 ours.cases.append({**case, "threads": list(threads), **result})
-            hf.cases.append({**case, **_hf_case(plain, prompts, max_tokens, seed + bs, pad, hf)})
+            with compute.scope():
+                hf.cases.append({**case, **_hf_case(plain, prompts, max_tokens, seed + bs, pad, hf)})
     from lockstep.engine.invariant import MKL_MODE
 
     return {**ours.summary(), "moe": moe, "path": trainer.model.path, "path_reason": trainer.model.path_reason,
-            "mkl_mode": MKL_MODE, "speculative": spec, "cases": ours.cases, "hf": {**hf.summary(), "cases": hf.cases}}
+            "device": compute.device, "dtype": compute.dtype, "mkl_mode": MKL_MODE, "speculative": spec, "cases": ours.cases, "hf": {**hf.summary(), "cases": hf.cases}}

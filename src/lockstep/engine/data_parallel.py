@@ -32,10 +32,12 @@ from lockstep.engine.trainer import Trainer
 from lockstep.engine.types import AdamParams, Datum, EngineError, ForwardBackwardOutput
 
 
-def init_group(rank: int, world: int, address: str, port: int, *, timeout_s: float = 300.0) -> None:
-    """Join the process group of `world` ranks whose rank 0 listens on address:port (gloo)."""
-    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+def init_group(rank: int, world: int, address: str, port: int, *, timeout_s: float = 300.0,
+               device: str = "cpu") -> None:
+    """Join the process group of `world` ranks whose rank 0 listens on address:port (gloo on CPU,
+    NCCL for trainers on GPUs: each rank then uses the GPU it was given)."""
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://{address}:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def shares(micro_batches: int, world: int) -> list[range]:
@@ -59,6 +61,8 @@ class DataParallel:
         self.world = dist.get_world_size() if world is None else world
         self.params = list(trainer.params.values())
         self.sizes = [p.numel() for p in self.params]
+        self.device = self.params[0].device
+        """Where the chain's buffers live (NCCL sends GPU tensors)."""
 
     # -- gradients ----------------------------------------------------------------------------
     def forward_backward(self, micro_batches: Sequence[Sequence[Datum]], loss_fn: str,
@@ -102,7 +106,7 @@ class DataParallel:
 
     def _pack(self, acc, failed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(presence of each gradient, with a last entry: 1 if a rank failed; the gradients, flat)."""
-        present = torch.tensor([a is not None for a in acc] + [failed], dtype=torch.uint8)
+        present = torch.tensor([a is not None for a in acc] + [failed], dtype=torch.uint8, device=self.device)
         flat = torch.cat([(a if a is not None else torch.zeros_like(p)).reshape(-1).to(torch.float32)
                           for a, p in zip(acc, self.params)])
         return present, flat
@@ -115,7 +119,8 @@ class DataParallel:
         return out, bool(flags[-1])
 
     def _empty(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.zeros(len(self.params) + 1, dtype=torch.uint8), torch.zeros(sum(self.sizes), dtype=torch.float32)
+        return (torch.zeros(len(self.params) + 1, dtype=torch.uint8, device=self.device),
+                torch.zeros(sum(self.sizes), dtype=torch.float32, device=self.device))
 
     def _send(self, acc, failed: bool, dst: int) -> None:
         present, flat = self._pack(acc, failed)

@@ -20,13 +20,16 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.engine import invariant as inv
+from lockstep.engine.device import CPU, Compute
 from lockstep.engine.invariant import KEY_BLOCK, ROW_TILE, round_up
+from lockstep.engine.types import EngineError
 
 
 @dataclass
 class KVCache:
     """Per-layer keys (B, Hkv, L, D) and values with a ones column (B, Hkv, L, D+1). On the fused
-    path the keys are a transposed view (stored (B, Hkv, D, L)).
+    path the keys are a transposed view (stored (B, Hkv, D, L)); on the Triton path the values
+    have no ones column (B, Hkv, L, D), and both live on the model's device in its dtype.
 
     Slot j of row b holds the token at position j; unwritten slots are zero and never visible,
     because attention masks keys by position. L is a multiple of KEY_BLOCK.
@@ -67,27 +70,28 @@ def _base(module):
     return getattr(module, "base_layer", module)
 
 
-def lora_delta(module, x: torch.Tensor) -> torch.Tensor | None:
+def lora_delta(module, x: torch.Tensor, linear=inv.linear) -> torch.Tensor | None:
     """Sum of the module's active LoRA updates for input x, or None without LoRA."""
     out = None
     for a, b, scaling in _lora_parts(module):
-        d = inv.linear(inv.linear(x, a), b) * scaling
+        d = linear(linear(x, a), b) * scaling
         out = d if out is None else out + d
     return out
 
 
-def apply_linear(module, x: torch.Tensor) -> torch.Tensor:
-    """A (possibly LoRA-wrapped) nn.Linear, computed row-invariantly."""
+def apply_linear(module, x: torch.Tensor, linear=inv.linear) -> torch.Tensor:
+    """A (possibly LoRA-wrapped) nn.Linear, computed row-invariantly (`linear`: the path's matmul)."""
     base = _base(module)
-    y = inv.linear(x, base.weight, base.bias)
-    d = lora_delta(module, x)
+    y = linear(x, base.weight, base.bias)
+    d = lora_delta(module, x, linear)
     return y if d is None else y + d
 
 
-def apply_fused(modules, fused: tuple[torch.Tensor, torch.Tensor | None], x: torch.Tensor) -> torch.Tensor:
+def apply_fused(modules, fused: tuple[torch.Tensor, torch.Tensor | None], x: torch.Tensor,
+                linear=inv.linear) -> torch.Tensor:
     """Several linears over the same x as one matmul; LoRA updates are added per slice."""
-    y = inv.linear(x, *fused)
-    deltas = [lora_delta(m, x) for m in modules]
+    y = linear(x, *fused)
+    deltas = [lora_delta(m, x, linear) for m in modules]
     if all(d is None for d in deltas):
         return y
     parts = [
@@ -109,8 +113,12 @@ def _fuse(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
 class InvariantLM:
     """Batch-invariant forward over a transformers causal LM (Llama, Qwen2, Qwen3, Mistral)."""
 
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, compute: Compute = CPU):
         self.hf_model = hf_model  # a PreTrainedModel or a peft PeftModel around one
+        self.compute = compute
+        """Device and compute dtype. Parameters stay float32 (the optimizer's master weights); in
+        bfloat16 the forward computes with bf16 copies (cached outside autograd, cast inline under it)."""
+        self.dtype = compute.torch_dtype
         causal = hf_model.base_model.model if hasattr(hf_model, "peft_config") else hf_model
         self.causal = causal
         self.config = causal.config
@@ -124,7 +132,7 @@ class InvariantLM:
         self.eps = cfg.rms_norm_eps
         self.scale = self.inner.layers[0].self_attn.scaling
         rotary = self.inner.rotary_emb
-        self._inv_freq = rotary.inv_freq.detach().float().clone()
+        self._inv_freq = rotary.inv_freq.detach().float().clone().to(compute.device)
         self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         self._rope_table = (torch.empty(0, self.head_dim), torch.empty(0, self.head_dim))
         self._fused_cache: dict[str, tuple] = {}
@@ -144,7 +152,12 @@ class InvariantLM:
         self.routing: RoutingLog | None = None
         """Set to a RoutingLog to record every MoE layer's expert choices (tests, consistency)."""
         self.path, self.path_reason = _choose_path(self)
-        """"fused" (the C++ kernels, engine/fused.py) or "eager" (pure PyTorch), and why."""
+        """"fused" (the C++ kernels, engine/fused.py), "triton" (engine/triton_ops.py: CUDA, or the
+        interpreter in tests) or "eager" (pure PyTorch), and why."""
+        self.ops = _path_ops(self.path)
+        """The path's differentiable kernels (engine/fused.py or engine/triton_ops.py), None on eager."""
+        self._casts: dict = {}
+        """Triton path in bfloat16, outside autograd: each float32 weight's bf16 copy."""
 
     # -- tables, fused weights, caches ---------------------------------------------------------
     def rope(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +166,7 @@ class InvariantLM:
         cos, sin = self._rope_table
         if cos.shape[0] < need:
             n = max(need, 2 * cos.shape[0], 256)
-            freqs = torch.arange(n, dtype=torch.float32)[:, None] * self._inv_freq[None, :]
+            freqs = torch.arange(n, dtype=torch.float32, device=self._inv_freq.device)[:, None] * self._inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             self._rope_table = (emb.cos() * self._rope_scaling, emb.sin() * self._rope_scaling)
             cos, sin = self._rope_table
@@ -179,10 +192,33 @@ class InvariantLM:
         any weight moved, so a stale copy is impossible without anyone invalidating it by hand."""
         stamp = self._weights_stamp()
         if self._stamp != stamp:
-            self._fused_cache = {key: tuple(t.detach() if t is not None else None for t in _fuse(mods))
-                                 for key, mods in self._fused_groups()}
+            self._fused_cache = {key: (self._compute_copy(w.detach()), b.detach() if b is not None else None)
+                                 for key, (w, b) in ((key, _fuse(mods)) for key, mods in self._fused_groups())}
+            self._casts = {id(p): (p, self._compute_copy(p.detach())) for ps in self._param_dicts
+                           for p in ps.values() if p is not None and p.dim() >= 2} if self._casting else {}
             self._stack = self._build_stack() if self.path == "fused" else None
             self._stamp = stamp
+
+    @property
+    def _casting(self) -> bool:
+        """Whether weights are cast for the forward (bf16 compute over float32 parameters)."""
+        return self.path == "triton" and self.dtype != torch.float32
+
+    def _compute_copy(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.to(self.dtype) if self._casting else weight
+
+    def _lin(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The path's row-invariant matmul. In bf16 a float32 weight is used through its bf16 copy
+        (cached outside autograd; under it cast inline, so gradients reach the float32 parameter);
+        a bias is added in float32 by the kernel."""
+        if weight.dtype != x.dtype and self._casting:
+            cached = None if torch.is_grad_enabled() else self._casts.get(id(weight))
+            weight = cached[1] if cached is not None and cached[0] is weight else weight.to(x.dtype)
+        return self.ops.linear(x, weight, bias) if self.ops is not None else inv.linear(x, weight, bias)
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Row-wise float32 log-softmax on this model's path: the one sampler and trainer share."""
+        return self.ops.log_softmax(logits) if self.ops is not None else inv.log_softmax(logits)
 
     def _build_stack(self):
         """kernels/stack.cpp's DecoderStack over the current weights (None for a mixture of experts,
@@ -212,6 +248,10 @@ class InvariantLM:
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         shape = (batch, self.num_kv_heads, round_up(max(capacity, 1), KEY_BLOCK), self.head_dim)
+        if self.path == "triton":  # the Triton attention ignores a ones column: none is stored
+            like = {"device": self.compute.device, "dtype": self.dtype}
+            return KVCache([torch.zeros(shape, **like) for _ in self.inner.layers],
+                           [torch.zeros(shape, **like) for _ in self.inner.layers])
         if self.path == "fused":  # keys stored transposed, (B, H, D, L) in memory: the fused attention
             # reads a decode step's keys in place, a block of key positions per vector
             k = [torch.zeros(*shape[:2], shape[3], shape[2]).transpose(2, 3) for _ in self.inner.layers]
@@ -243,8 +283,9 @@ class InvariantLM:
             positions_BT = torch.arange(T).expand(B, T)
         if self.routing is not None:
             self.routing.start_call()
-        if self.path == "fused":
-            return self._hidden_fused(tokens_BT, positions_BT, cache)
+        if self.path != "eager":
+            device = self.compute.device
+            return self._hidden_fused(tokens_BT.to(device), positions_BT.to(device), cache)
         max_position = int(positions_BT.max())  # one sync per forward, shared by rope and the mask
         cos, sin = self.rope(positions_BT, max_position)  # (B, T, D)
         kv_len = round_up(max_position + 1, KEY_BLOCK)
@@ -260,15 +301,15 @@ class InvariantLM:
         return inv.rms_norm(x, self.inner.norm.weight, self.eps)
 
     def _hidden_fused(self, tokens_BT, positions_BT, cache: KVCache | None) -> torch.Tensor:
-        """hidden_states on the fused kernels: per layer one norm (fused with the residual add),
-        the q|k|v and gate|up matmuls, one rope, one attention, one SiLU*up and two more matmuls.
-        Outside autograd a dense model runs all its layers in one C++ call (kernels/stack.cpp),
-        which composes the same kernels in the same order."""
-        from lockstep.engine import fused
+        """hidden_states on the fused kernels (C++ on CPU, or Triton): per layer one norm (fused
+        with the residual add), the q|k|v and gate|up matmuls, one rope, one attention, one SiLU*up
+        and two more matmuls. Outside autograd a dense model on the C++ kernels runs all its layers
+        in one call (kernels/stack.cpp), which composes the same kernels in the same order."""
+        fused, lin = self.ops, self._lin
 
         cos, sin = self.rope(positions_BT, int(positions_BT.max()))
         cos, sin = inv.rope_tables(cos, sin)
-        x = F.embedding(tokens_BT, self.inner.embed_tokens.weight)
+        x = F.embedding(tokens_BT, self.inner.embed_tokens.weight).to(self.dtype)
         if not torch.is_grad_enabled():
             self._refresh_derived()
             if self._stack is not None:  # every layer in one call: the same kernels, the same bits
@@ -281,17 +322,16 @@ class InvariantLM:
             if lp.moe is not None:
                 m = self._moe(i, lp.moe, h, fused.silu_mul)
             else:
-                m = apply_linear(lp.down, fused.silu_mul(apply_fused(lp.mlp, self.fused(f"mlp{i}", lp.mlp), h)))
+                m = apply_linear(lp.down, fused.silu_mul(apply_fused(lp.mlp, self.fused(f"mlp{i}", lp.mlp), h, lin)), lin)
             norm = plan[i + 1].in_norm if i + 1 < len(plan) else self.inner.norm._parameters
             x, h = fused.add_rms_norm(x, m, norm["weight"], self.eps)
         return h
 
     def _attention_fused(self, i: int, lp: "_LayerPlan", h, positions_BT, cos, sin, cache: KVCache | None) -> torch.Tensor:
-        from lockstep.engine import fused
-
+        fused = self.ops
         B, T, _ = h.shape
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = apply_fused(lp.attn, self.fused(f"attn{i}", lp.attn), h).view(B, T, Hq + 2 * Hkv, D)
+        qkv = apply_fused(lp.attn, self.fused(f"attn{i}", lp.attn), h, self._lin).view(B, T, Hq + 2 * Hkv, D)
         qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
         if lp.qk_norms is not None:  # Qwen3: per-head RMSNorm before RoPE
             qk = torch.cat([fused.rms_norm(qk[:, :, :Hq], lp.qk_norms[0]["weight"], self.eps),
@@ -304,7 +344,7 @@ class InvariantLM:
             keys, values = cache.k[i], cache.v1[i]
             fused.cache_write(keys, values, k, v, positions_BT)
         out = fused.attention(q, keys, values, positions_BT, self.scale)
-        return apply_linear(lp.o_proj, out.reshape(B, T, Hq * D))
+        return apply_linear(lp.o_proj, out.reshape(B, T, Hq * D), self._lin)
 
     def _moe(self, i: int, block, h: torch.Tensor, silu_mul) -> torch.Tensor:
         """A sparse mixture-of-experts block (Qwen3-MoE, Mixtral) from invariant pieces.
@@ -319,7 +359,7 @@ class InvariantLM:
         x = h.reshape(B * T, H)
         gate, experts = block.gate, block.experts
         k = gate.top_k
-        probs = torch.exp(inv.log_softmax(inv.linear(x, gate.weight)))
+        probs = torch.exp(self.log_softmax(self._lin(x, gate.weight)))
         weights, chosen = torch.topk(probs, k, dim=-1)
         if getattr(gate, "norm_topk_prob", True):  # Mixtral always normalises; Qwen3-MoE by config
             weights = weights / weights.sum(-1, keepdim=True)
@@ -331,8 +371,8 @@ class InvariantLM:
         out_NKH = x.new_zeros(B * T, k, H)
         for e in torch.unique(chosen).tolist():  # ascending: a fixed order, though nothing depends on it
             token, slot = (chosen == e).nonzero(as_tuple=True)
-            act = silu_mul(inv.linear(x.index_select(0, token), experts.gate_up_proj[e]))
-            out_NKH = out_NKH.index_put((token, slot), inv.linear(act, experts.down_proj[e]))
+            act = silu_mul(self._lin(x.index_select(0, token), experts.gate_up_proj[e]))
+            out_NKH = out_NKH.index_put((token, slot), self._lin(act, experts.down_proj[e]))
         y = out_NKH[:, 0] * weights[:, :1]
         for j in range(1, k):
             y = y + out_NKH[:, j] * weights[:, j : j + 1]
@@ -354,7 +394,7 @@ class InvariantLM:
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return apply_linear(self.lm_head, hidden)
+        return apply_linear(self.lm_head, hidden, self._lin)
 
     def logprobs_of(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """log p(target) for each hidden row; hidden (..., H), targets (...)."""
@@ -362,7 +402,7 @@ class InvariantLM:
 
     def logprobs_and_entropy(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """log p(target) and the entropy of the next-token distribution (no gradient) per row."""
-        lp = inv.log_softmax(self.logits(hidden))
+        lp = self.log_softmax(self.logits(hidden))
         with torch.no_grad():
             entropy = -(lp.exp() * lp).sum(-1)
         return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
@@ -457,12 +497,31 @@ class RoutingLog:
 def _choose_path(model: "InvariantLM") -> tuple[str, str]:
     from lockstep.engine import kernels
 
+    if model.compute.triton:
+        model.compute.check()
+        if model.head_dim % 2:
+            raise EngineError(f"head size {model.head_dim} is odd: the Triton rotary kernel needs an even one "
+                              "(run this model on model.device = 'cpu')")
+        where = "CUDA" if model.compute.device == "cuda" else "CPU, under Triton's interpreter"
+        return "triton", f"Triton kernels on {where}, {model.compute.dtype}"
     if kernels.load() is None:
         return "eager", "the fused kernels are not built" if os.environ.get(kernels.MODE_ENV) != "eager" else \
             f"{kernels.MODE_ENV}=eager"
     if model.head_dim % 2:
         return "eager", f"head size {model.head_dim} is odd (rotary embeddings need an even one)"
     return "fused", "fused CPU kernels"
+
+
+def _path_ops(path: str):
+    if path == "fused":
+        from lockstep.engine import fused
+
+        return fused
+    if path == "triton":
+        from lockstep.engine import triton_ops
+
+        return triton_ops
+    return None
 
 
 @dataclass

@@ -87,7 +87,6 @@ def _padded(seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
 def shared_prefix_logsoftmax(model, inputs: Sequence[tuple[int, ...]], plan: PrefixPlan):
     """The log-softmax row of every input position, datums concatenated in order, via one forward
     of each shared prefix and one of the suffixes. `model` is an InvariantLM; returns (T, V)."""
-    from lockstep.engine import invariant as inv
     from lockstep.engine.model import KVCache
 
     pre_tokens, _ = _padded(plan.prefixes)
@@ -108,4 +107,4 @@ def shared_prefix_logsoftmax(model, inputs: Sequence[tuple[int, ...]], plan: Pre
     for d, (n, o) in enumerate(zip(plan.shared, plan.owner)):
         index += range(o * Tp, o * Tp + n)
         index += range(P * Tp + d * S, P * Tp + d * S + suf_lens[d])
-    return inv.log_softmax(model.logits(hidden.index_select(0, torch.tensor(index))))
+    return model.log_softmax(model.logits(hidden.index_select(0, torch.tensor(index))))

@@ -164,6 +164,10 @@ class Sampler:
         for i, r in enumerate(requests):
             check_tokens(r.prompt, self.vocab_size, f"request {i} prompt")
             self._check_stops(r, i)
+        with self.model.compute.scope():  # on a GPU, the decode state lives there too
+            return self._sample(requests, between_steps)
+
+    def _sample(self, requests, between_steps) -> list[SampleResult]:
         first_logits, prompt_lps, cache = self._prefill(requests)
         owner = [i for i, r in enumerate(requests) for _ in range(r.num_samples)]
         rows = self._init_rows(requests, owner, cache)
@@ -235,7 +239,7 @@ class Sampler:
         alive = torch.ones(len(owner), dtype=torch.bool)
         while True:
             # Every live row draws its next token from `logits` at its own token index.
-            tokens, lps = choose(logits, rows.params, tape.n_out[rows.ids])
+            tokens, lps = choose(logits, rows.params, tape.n_out[rows.ids], self.model.ops)
             ids = rows.ids[alive]
             ended = tape.record(ids, tokens[alive], lps[alive], self.policy_version)
             if link is not None:
@@ -322,7 +326,7 @@ class Sampler:
         all_logits = self.model.logits(self.model.hidden_states(feed, positions, rows.cache))  # (R, k+1, V)
         steps = tape.n_out[rows.ids].unsqueeze(1) + torch.arange(k)
         picks = rows.params.select(torch.arange(R).repeat_interleave(k))
-        samples, lps = choose(all_logits[:, :k].reshape(R * k, -1), picks, steps.reshape(-1))
+        samples, lps = choose(all_logits[:, :k].reshape(R * k, -1), picks, steps.reshape(-1), self.model.ops)
         samples, lps = samples.view(R, k), lps.view(R, k)
         was_alive = alive.clone()
         agree = (samples == drafts) & (torch.arange(k) < lengths.unsqueeze(1)) & alive.unsqueeze(1)

@@ -97,14 +97,14 @@ def _truncate(scaled: torch.Tensor, p: RowParams) -> torch.Tensor:
     return scaled.masked_fill(mask, float("-inf"))
 
 
-def _shaped_logp(logits: torch.Tensor, p: RowParams) -> torch.Tensor:
+def _shaped_logp(logits: torch.Tensor, p: RowParams, lsm=log_softmax) -> torch.Tensor:
     """log p of the distribution each (non-plain, non-greedy) row samples from: temperature, then
     its own top-k / top-p, if any."""
-    scaled = logits / p.temperature.unsqueeze(1)
+    scaled = logits.float() / p.temperature.unsqueeze(1)
     truncating = (p.top_k > 0) | (p.top_p < 1)
     if bool(truncating.any()):
         scaled = torch.where(truncating.unsqueeze(1), _truncate(scaled, p), scaled)
-    return log_softmax(scaled)
+    return lsm(scaled)
 
 
 def _fused_sample_rows():
@@ -120,8 +120,10 @@ def _fused_sample_rows():
 _sample_rows = _fused_sample_rows()
 
 
-def _draw(logp: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+def _draw(logp: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, ops=None) -> torch.Tensor:
     """Inverse-CDF draw per row at its counter-RNG uniform (one kernel call when built)."""
+    if ops is not None:
+        return ops.sample_rows(logp, seeds, steps)
     if _sample_rows is not None:
         return _sample_rows(logp, seeds, steps)
     cdf = torch.cumsum(torch.exp(logp.double()), dim=-1)
@@ -129,23 +131,25 @@ def _draw(logp: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch
     return torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1).clamp_(max=logp.shape[-1] - 1)
 
 
-def choose(logits: torch.Tensor, p: RowParams, step: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def choose(logits: torch.Tensor, p: RowParams, step: int | torch.Tensor, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; return (tokens, logprob of each under the distribution used).
 
     `step` is the token index the rows draw for (their RNG counter): one int for all, or one per
-    row (int64 (R,)), as a speculative verify needs.
+    row (int64 (R,)), as a speculative verify needs. `ops`: the model's kernels (InvariantLM.ops:
+    its log-softmax and draw are the ones the trainer's logprobs come from); None: the CPU ones.
 
     Each row gets its own parameters' treatment, whatever the other rows ask for: a plain row's
     distribution is exactly the model's `log_softmax` (the trainer's), a shaped row's is computed
     on its own rows only, and greedy rows (temperature 0) take the argmax and report the model's
     log p. Row-wise ops are batch-invariant, so a row never depends on what shares its batch.
     """
-    dist_logp = model_logp = log_softmax(logits)
+    lsm = ops.log_softmax if ops is not None else log_softmax
+    dist_logp = model_logp = lsm(logits)
     rows = p.shaped_rows
     if rows is not None:
-        dist_logp = model_logp.index_copy(0, rows, _shaped_logp(logits.index_select(0, rows), p.select(rows)))
+        dist_logp = model_logp.index_copy(0, rows, _shaped_logp(logits.index_select(0, rows), p.select(rows), lsm))
     steps = step if isinstance(step, torch.Tensor) else torch.full(p.seeds.shape, step, dtype=torch.int64)
-    tokens = _draw(dist_logp, p.seeds, steps)
+    tokens = _draw(dist_logp, p.seeds, steps, ops)
     if p.any_greedy:
         tokens = torch.where(p.greedy_R, logits.argmax(-1), tokens)
     return tokens, dist_logp.gather(1, tokens.unsqueeze(1)).squeeze(1)

@@ -32,7 +32,7 @@ def _optimizer_tensors(trainer) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in trainer.params.items():
         for key, value in trainer.optimizer.state.get(p, {}).items():
-            out[f"{name}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+            out[f"{name}.{key}"] = value.detach().cpu() if torch.is_tensor(value) else torch.tensor(value)
     return out
 
 
@@ -52,7 +52,7 @@ def save_state(trainer, path, *, overwrite: bool = False) -> Path:
         "optimizer": {"type": "adamw", **_hyperparams(trainer)},
     }
     tensors = {
-        "model": {n: p.detach() for n, p in trainer.params.items()},
+        "model": {n: p.detach().cpu() for n, p in trainer.params.items()},
         "optimizer": _optimizer_tensors(trainer),
         "rng": checkpoint_io.rng_state_tensors(),
     }
@@ -84,7 +84,9 @@ def load_state(trainer, path, *, optimizer: bool = True) -> dict:
     if optimizer:
         opt = tensors.get("optimizer", {})
         for name, p in trainer.params.items():
-            state = {k.rsplit(".", 1)[1]: v.clone() for k, v in opt.items() if k.rsplit(".", 1)[0] == name}
+            # moments go to the parameter's device; the step count stays a CPU scalar, as AdamW keeps it
+            state = {k.rsplit(".", 1)[1]: v.clone() if v.dim() == 0 else v.to(p.device, copy=True)
+                     for k, v in opt.items() if k.rsplit(".", 1)[0] == name}
             if state:
                 trainer.optimizer.state[p] = state
         hp = meta["optimizer"]

@@ -17,6 +17,7 @@ import torch
 from lockstep.engine import lora as lora_mod
 from lockstep.engine import state as state_mod
 from lockstep.engine.batching import Batch, make_batch
+from lockstep.engine.device import CPU, Compute
 from lockstep.engine.loading import load_model
 from lockstep.engine.model import InvariantLM
 from lockstep.engine.prefix import plan_prefixes, shared_prefix_logsoftmax
@@ -28,12 +29,15 @@ class Trainer:
     """Owns a model's trainable parameters, its AdamW state, and the step counter."""
 
     def __init__(self, hf_model, tokenizer, *, base_model: str, lora: LoraSpec | None = None,
-                 train_experts: Sequence[int] | None = None):
+                 train_experts: Sequence[int] | None = None, compute: Compute = CPU):
         self.base_model = str(base_model)
         self.lora = lora
         self.tokenizer = tokenizer
-        self.hf_model = lora_mod.attach(hf_model, lora) if lora is not None else hf_model
-        self.model = InvariantLM(self.hf_model)
+        compute.check()  # before moving anything: no GPU or no Triton is an error, never a CPU fallback
+        # LoRA is initialised on the CPU (its seeded init the same on every device), then moved;
+        # parameters stay float32 on any device (the optimizer's master weights, see InvariantLM).
+        self.hf_model = (lora_mod.attach(hf_model, lora) if lora is not None else hf_model).to(compute.device)
+        self.model = InvariantLM(self.hf_model, compute)
         self.vocab_size = self.model.config.vocab_size
         self.params = dict(sorted((n, p) for n, p in self.hf_model.named_parameters() if p.requires_grad))
         self.frozen_experts = _frozen_expert_rows(self.hf_model, train_experts)
@@ -46,16 +50,18 @@ class Trainer:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, lora: LoraSpec | None = None,
-                        train_experts: Sequence[int] | None = None) -> "Trainer":
+                        train_experts: Sequence[int] | None = None, compute: Compute = CPU) -> "Trainer":
+        compute.check()
         hf_model, tokenizer = load_model(model_dir)
-        return cls(hf_model, tokenizer, base_model=str(model_dir), lora=lora, train_experts=train_experts)
+        return cls(hf_model, tokenizer, base_model=str(model_dir), lora=lora, train_experts=train_experts,
+                   compute=compute)
 
     @classmethod
-    def from_state(cls, path: str | Path, *, optimizer: bool = True) -> "Trainer":
+    def from_state(cls, path: str | Path, *, optimizer: bool = True, compute: Compute = CPU) -> "Trainer":
         """Rebuild the trainer a checkpoint came from (base model + LoRA shape), then load it."""
         meta = state_mod.read_meta(path)
         lora = LoraSpec(**meta["lora"]) if meta.get("lora") else None
-        trainer = cls.from_pretrained(meta["base_model"], lora=lora)
+        trainer = cls.from_pretrained(meta["base_model"], lora=lora, compute=compute)
         trainer.load_state(path, optimizer=optimizer)
         return trainer
 
@@ -102,8 +108,8 @@ class Trainer:
 
     def _outputs(self, batch: Batch, lp_T, elementwise_T, metrics, loss) -> ForwardBackwardOutput:
         outs, start = [], 0
-        lp = lp_T.detach().numpy()
-        el = elementwise_T.detach().numpy()
+        lp = lp_T.detach().cpu().numpy()
+        el = elementwise_T.detach().cpu().numpy()
         for n in batch.lengths:
             outs.append({"logprobs": lp[start : start + n].copy(), "elementwise_loss": el[start : start + n].copy()})
             start += n
@@ -113,16 +119,16 @@ class Trainer:
 
     def forward(self, data: Sequence[Datum], loss_fn: str = "cross_entropy", loss_fn_config=None) -> ForwardBackwardOutput:
         """Logprobs and loss without touching gradients."""
-        batch = make_batch(data, self.vocab_size)
-        with torch.no_grad():
+        with torch.no_grad(), self.model.compute.scope():
+            batch = make_batch(data, self.vocab_size)
             lp_T, entropy = self._logprobs(data, batch)
             elementwise, metrics = self._loss(batch, lp_T, loss_fn, loss_fn_config)
         return self._outputs(batch, lp_T, elementwise, {**metrics, **entropy}, elementwise.sum())
 
     def forward_backward(self, data: Sequence[Datum], loss_fn: str, loss_fn_config=None) -> ForwardBackwardOutput:
         """Accumulate gradients of sum(elementwise loss); returns per-datum logprobs and metrics."""
-        batch = make_batch(data, self.vocab_size)
-        with torch.enable_grad():
+        with torch.enable_grad(), self.model.compute.scope():
+            batch = make_batch(data, self.vocab_size)
             lp_T, entropy = self._logprobs(data, batch)
             elementwise, metrics = self._loss(batch, lp_T, loss_fn, loss_fn_config)
             metrics = {**metrics, **entropy}
@@ -178,7 +184,7 @@ class Trainer:
 
     def weights_numpy(self) -> dict[str, np.ndarray]:
         """A copy of the trainable weights as NumPy arrays (for publishing and tests)."""
-        return {n: p.detach().numpy().copy() for n, p in self.params.items()}
+        return {n: p.detach().cpu().numpy().copy() for n, p in self.params.items()}
 
 
 def _frozen_expert_rows(hf_model, train_experts: Sequence[int] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -197,4 +203,4 @@ def _frozen_expert_rows(hf_model, train_experts: Sequence[int] | None) -> list[t
     frozen = torch.tensor([e for e in range(num) if e not in set(train_experts)], dtype=torch.long)
     if not frozen.numel():
         return []
-    return [(p, frozen) for b in blocks for p in (b.gate_up_proj, b.down_proj) if p.requires_grad]
+    return [(p, frozen.to(p.device)) for b in blocks for p in (b.gate_up_proj, b.down_proj) if p.requires_grad]

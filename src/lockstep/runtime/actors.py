@@ -41,12 +41,14 @@ def _reconstructed() -> bool:
     return ray.get_runtime_context().was_current_actor_reconstructed
 
 
-def _load(model_path: str, lora_rank: int, lora_alpha: float, train_experts=None):
+def _load(model_path: str, lora_rank: int, lora_alpha: float, train_experts=None, device: str = "cpu",
+          dtype: str = "float32"):
+    from lockstep.engine.device import Compute
     from lockstep.engine.trainer import Trainer
     from lockstep.engine.types import LoraSpec
 
     lora = LoraSpec(rank=lora_rank, alpha=lora_alpha) if lora_rank > 0 else None
-    return Trainer.from_pretrained(model_path, lora=lora, train_experts=train_experts)
+    return Trainer.from_pretrained(model_path, lora=lora, train_experts=train_experts, compute=Compute(device, dtype))
 
 
 def _mismatch(data, outputs, sampled_from) -> dict:
@@ -74,18 +76,20 @@ class TrainerActor:
     (the version is the optimizer step, so it survives a checkpoint round trip)."""
 
     def __init__(self, model_path: str, lora_rank: int, lora_alpha: float, threads: int, train_experts=None,
-                 replicas: int = 1, micro_batches: int = 1, replica_cpus: float = 1.0):
+                 replicas: int = 1, micro_batches: int = 1, replica_cpus: float = 1.0, device: str = "cpu",
+                 dtype: str = "float32", replica_gpus: float = 0.0):
         _set_threads(threads)
-        self.trainer = _load(model_path, lora_rank, lora_alpha, train_experts)
+        self.trainer = _load(model_path, lora_rank, lora_alpha, train_experts, device, dtype)
         self.busy_s = 0.0
         self.incarnation = uuid.uuid4().hex
         self.state_lost = _reconstructed()
         """True after a restart until load_state or start_fresh: the base weights are not the run's."""
         self.micro, self.helpers, self.dp = micro_batches, [], None
         if replicas > 1 or micro_batches > 1:
-            self._start_replicas(replicas, replica_cpus, (model_path, lora_rank, lora_alpha, threads, train_experts))
+            self._start_replicas(replicas, replica_cpus, replica_gpus,
+                                 (model_path, lora_rank, lora_alpha, threads, train_experts, device, dtype))
 
-    def _start_replicas(self, replicas: int, cpus: float, load_args: tuple) -> None:
+    def _start_replicas(self, replicas: int, cpus: float, gpus: float, load_args: tuple) -> None:
         """Rank 0 of `replicas` trainer processes: the others are actors this one owns (they die
         with it), joined in one gloo group on this node's address."""
         from lockstep.engine.data_parallel import DataParallel, init_group
@@ -97,9 +101,9 @@ class TrainerActor:
             # On this node when it has room (the gradient chain is then loopback traffic); soft,
             # so a full node places a replica elsewhere rather than waiting.
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-            self.helpers = [TrainerReplica.options(num_cpus=cpus, scheduling_strategy=here).remote(
+            self.helpers = [TrainerReplica.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=here).remote(
                 *load_args, rank, replicas, address, port) for rank in range(1, replicas)]
-            init_group(0, replicas, address, port)  # returns once every replica has joined
+            init_group(0, replicas, address, port, device=load_args[5])  # returns once every replica has joined
         self.dp = DataParallel(self.trainer, rank=0, world=replicas)
 
     def _require_state(self) -> None:
@@ -190,12 +194,12 @@ class TrainerReplica:
     step, and never publishes or checkpoints (rank 0 does, once)."""
 
     def __init__(self, model_path: str, lora_rank: int, lora_alpha: float, threads: int, train_experts,
-                 rank: int, world: int, address: str, port: int):
+                 device: str, dtype: str, rank: int, world: int, address: str, port: int):
         from lockstep.engine.data_parallel import DataParallel, init_group
 
         _set_threads(threads)
-        self.trainer = _load(model_path, lora_rank, lora_alpha, train_experts)
-        init_group(rank, world, address, port)
+        self.trainer = _load(model_path, lora_rank, lora_alpha, train_experts, device, dtype)
+        init_group(rank, world, address, port, device=device)
         self.dp = DataParallel(self.trainer, rank=rank, world=world)
 
     def step(self, parts, loss: str, loss_config: dict, adam: dict) -> list[tuple[dict, list]]:
@@ -234,13 +238,14 @@ class GeneratorActor:
     each stall (decoding stopped -> the next decode step).
     """
 
-    def __init__(self, model_path: str, lora_rank: int, lora_alpha: float, threads: int, speculative=None):
+    def __init__(self, model_path: str, lora_rank: int, lora_alpha: float, threads: int, speculative=None,
+                 device: str = "cpu", dtype: str = "float32"):
         """speculative: a config SpeculativeSpec (None: plain decoding)."""
         _set_threads(threads)
         from lockstep.engine.drafters import make_drafter
         from lockstep.engine.sampler import Sampler
 
-        trainer = _load(model_path, lora_rank, lora_alpha)  # same module tree and parameter names
+        trainer = _load(model_path, lora_rank, lora_alpha, None, device, dtype)  # same module tree and parameter names
         self.params = trainer.params
         drafter = make_drafter(speculative.drafter, target=trainer.model, tokenizer=trainer.tokenizer,
                                **speculative.drafter_options()) if speculative else None
@@ -278,8 +283,9 @@ class GeneratorActor:
         version, weights, published_at = pending
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only shared-memory arrays: we never write to them
-            for name, p in self.params.items():
-                p.data = torch.from_numpy(weights[name])
+            for name, p in self.params.items():  # on a GPU replica, one host-to-device copy
+                w = torch.from_numpy(weights[name])
+                p.data = w if p.device.type == "cpu" else w.to(p.device)
         self.sampler.policy_version = version
         self.swap_latency_s.append(time.time() - published_at)
         return True

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import asdict, dataclass
 
-from lockstep.config.types import RunSpec, StageSpec
+from lockstep.config.types import ConfigError, RunSpec, StageSpec
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,14 @@ class Plan:
     """Env workers built with the run (see `env_workers`)."""
     weight_sync: str = "rolling"
     placement: str = "pack"
+    device: str = "cpu"
+    """model.device: where the trainer and the generator replicas compute (env workers: CPU only)."""
+    num_gpus: int = 0
+    """GPUs the run may use (runtime.gpus, or the machine's); 0 on CPU."""
+    trainer_gpus: float = 0.0
+    generator_gpus: float = 0.0
+    """Ray GPUs per trainer replica and per generator replica: a whole GPU each when there are
+    enough, else a fraction that packs them onto the GPUs there are (see gpu_shares)."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -73,10 +82,59 @@ def env_workers(spec: RunSpec, budget: int) -> int:
     return max(r.env_workers, busy_env_workers(spec, budget)) if r.allocator else r.env_workers
 
 
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process may use, found without CUDA (this process never imports torch):
+    CUDA_VISIBLE_DEVICES when set, else the driver's list."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        ids = [d.strip() for d in listed.split(",") if d.strip()]
+        return len(ids[: ids.index("-1")] if "-1" in ids else ids)  # CUDA stops at an invalid id
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def gpu_shares(gpus: int, trainers: int, generators: int) -> tuple[float, float]:
+    """(GPUs per trainer replica, per generator replica). A GPU each when there are enough; else one
+    trainer and the generators share them evenly, as fractions that pack (1/k of a GPU with k
+    processes per GPU: Ray never splits a fraction over two GPUs, so 0.75 each would strand one).
+    Data-parallel trainer ranks cannot share a GPU (NCCL refuses two ranks on one device)."""
+    require_gpus(gpus, "model.device", "set runtime.gpus when the GPUs are on the nodes of the cluster at "
+                 "runtime.ray_address, or set model.device = 'cpu'")
+    if gpus >= trainers + generators:
+        return 1.0, 1.0
+    if trainers > 1:
+        raise ConfigError(f"train.replicas = {trainers} on GPUs needs a GPU for each trainer replica and at least "
+                          f"one more for the {generators} generator replica(s); the run has {gpus} GPU(s): lower "
+                          "train.replicas or rollout.replicas, or add GPUs (runtime.gpus)")
+    share = 1 / math.ceil((trainers + generators) / gpus)
+    return share, share
+
+
+def require_gpus(gpus: int, setting: str, otherwise: str) -> None:
+    """A CUDA setting with no GPU is an error at start, never a CPU fallback; so is one without Triton."""
+    if gpus <= 0:
+        raise ConfigError(f"{setting} = 'cuda' but no GPU is visible here (CUDA_VISIBLE_DEVICES, "
+                          f"/proc/driver/nvidia/gpus): run on a machine with an NVIDIA GPU, or {otherwise}")
+    check_triton(setting)
+
+
+def check_triton(setting: str = "model.device") -> None:
+    if importlib.util.find_spec("triton") is None:
+        raise ConfigError(f"{setting} = 'cuda' runs the engine's Triton kernels, and Triton is not installed: "
+                          "pip install 'lockstep[gpu]' (or pip install triton) in this environment")
+
+
 def make_plan(spec: RunSpec) -> Plan:
     r = spec.runtime
     budget = r.cpus or os.cpu_count() or 2
     replicas, (generators, most) = spec.train.replicas, generator_replicas(spec, budget)
+    gpus, trainer_gpus, generator_gpus = 0, 0.0, 0.0
+    if spec.model.device == "cuda":
+        gpus = r.gpus if r.gpus >= 0 else visible_gpus()
+        most = generators  # a replica takes a GPU share fixed at the start: the allocator adds none
+        trainer_gpus, generator_gpus = gpu_shares(gpus, replicas, generators)
     envs = env_workers(spec, budget)
     share = budget / (generators + replicas + 0.25 * envs)  # each replica of both, the envs
     stages = []
@@ -93,4 +151,5 @@ def make_plan(spec: RunSpec) -> Plan:
     down = lambda x: math.floor(x * 1000) / 1000  # noqa: E731 - rounded up, the shares could sum past the budget
     return Plan(r.ray_address, budget, down(share), down(share), down(0.25 * share),
                 r.trainer_threads, r.generator_threads, tuple(stages), replicas, spec.train.micro, generators,
-                most, envs, spec.rollout.weight_sync, r.placement)
+                most, envs, spec.rollout.weight_sync, r.placement, spec.model.device, gpus, trainer_gpus,
+                generator_gpus)

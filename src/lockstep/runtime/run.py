@@ -85,7 +85,8 @@ def start_ray(plan: Plan) -> None:
         return
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore",
                         "MKL_CBWR": os.environ.get("MKL_CBWR", "AUTO,STRICT")}}  # see engine/invariant.py
-    raylocal.init(plan.ray_address or "", runtime_env=env, log_to_driver=False, num_cpus=plan.num_cpus)
+    gpus = {"num_gpus": plan.num_gpus} if plan.device == "cuda" else {}
+    raylocal.init(plan.ray_address or "", runtime_env=env, log_to_driver=False, num_cpus=plan.num_cpus, **gpus)
 
 
 def spread(plan: Plan) -> tuple[dict, list[dict]]:
@@ -109,20 +110,21 @@ def env_worker(spec: RunSpec, model_path: str, run_dir: Path, role: str, num_cpu
     from lockstep.runtime.actors import EnvWorker
 
     r = spec.runtime
-    return EnvWorker.options(num_cpus=num_cpus, name=actor_name(run_dir, role), max_restarts=r.max_restarts,
+    return EnvWorker.options(num_cpus=num_cpus, num_gpus=0, name=actor_name(run_dir, role), max_restarts=r.max_restarts,
                              max_task_retries=0, **placement).remote(
         model_path, actor_name(run_dir, ""), retries=spec.env.retries, timeout_s=spec.env.timeout_s,
         call_timeout_s=r.call_timeout_s, log_path=str(run_dir / "envs.log"))
 
 
-def generator_replica(spec: RunSpec, model_path: str, run_dir: Path, index: int, num_cpus: float, **placement):
+def generator_replica(spec: RunSpec, model_path: str, run_dir: Path, index: int, num_cpus: float,
+                      num_gpus: float = 0.0, **placement):
     """Generator replica `index` of this run (fleet.replica_name); also what the allocator starts mid-run."""
     from lockstep.runtime.actors import GeneratorActor
 
     m, r = spec.model, spec.runtime
-    return GeneratorActor.options(num_cpus=num_cpus, name=actor_name(run_dir, replica_name(index)),
+    return GeneratorActor.options(num_cpus=num_cpus, num_gpus=num_gpus, name=actor_name(run_dir, replica_name(index)),
                                   max_restarts=r.max_restarts, max_task_retries=0, **placement).remote(
-        model_path, m.lora_rank, m.lora_alpha, r.generator_threads, spec.rollout.speculative)
+        model_path, m.lora_rank, m.lora_alpha, r.generator_threads, spec.rollout.speculative, m.device, m.dtype)
 
 
 def build(spec: RunSpec, plan: Plan, model_path: str, run_dir: Path) -> ctl.Components:
@@ -130,11 +132,13 @@ def build(spec: RunSpec, plan: Plan, model_path: str, run_dir: Path) -> ctl.Comp
 
     m, r = spec.model, spec.runtime
     head, others = spread(plan)
-    trainer = TrainerActor.options(num_cpus=plan.trainer_cpus, name=actor_name(run_dir, "trainer"),
-                                   max_restarts=r.max_restarts, max_task_retries=0, **head).remote(
+    trainer = TrainerActor.options(num_cpus=plan.trainer_cpus, num_gpus=plan.trainer_gpus,
+                                   name=actor_name(run_dir, "trainer"), max_restarts=r.max_restarts,
+                                   max_task_retries=0, **head).remote(
         model_path, m.lora_rank, m.lora_alpha, r.trainer_threads, m.train_experts, plan.trainer_replicas,
-        plan.micro_batches, plan.trainer_cpus)
-    generators = [generator_replica(spec, model_path, run_dir, i, plan.generator_cpus, **others[i % len(others)])
+        plan.micro_batches, plan.trainer_cpus, m.device, m.dtype, plan.trainer_gpus)
+    generators = [generator_replica(spec, model_path, run_dir, i, plan.generator_cpus, plan.generator_gpus,
+                                    **others[i % len(others)])
                   for i in range(plan.generator_replicas)]
     fleet = GeneratorFleet(generators, r.call_timeout_s, plan.weight_sync)
     envs = [env_worker(spec, model_path, run_dir, f"env{i}", plan.env_cpus, **others[i % len(others)])

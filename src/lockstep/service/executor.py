@@ -117,7 +117,8 @@ class RequestExecutor:
         self.host = EngineHost(config.storage_url, str(Path(config.home) / "cache"), config.threads or os.cpu_count() or 2,
                                max_models=config.max_models, max_sessions=config.max_sessions,
                                fetch_cache_bytes=config.fetch_cache_bytes, speculative=config.speculative,
-                               draft_tokens=config.draft_tokens, draft_timeout=config.draft_timeout_s)
+                               draft_tokens=config.draft_tokens, draft_timeout=config.draft_timeout_s,
+                               device=config.device, dtype=config.dtype)
         with self.sessions() as s:
             doorbell.register(s, "worker", self.id, self.sock)
             # Non-zero only after Ray restarted this actor: what the dead one held.

@@ -69,16 +69,20 @@ class Lru(OrderedDict):
 class EngineHost:
     def __init__(self, storage_url: str, cache_dir: str, threads: int, *, max_models: int = 16,
                  max_sessions: int = 32, max_skeletons: int = 4, fetch_cache_bytes: int = 4 << 30,
-                 speculative: str = "off", draft_tokens: int = 4, draft_timeout: float | None = 10.0):
+                 speculative: str = "off", draft_tokens: int = 4, draft_timeout: float | None = 10.0,
+                 device: str = "cpu", dtype: str = "float32"):
         """speculative: a drafter name (engine/drafters.py) for every sampling session, "off" for
         none. Each session gets its own drafter and `auto` width controller: its history of
         completions never drafts for another session (another tenant), and it speculates only where
         its own measurements say it pays. Outputs are those of plain decoding either way."""
         import torch
 
+        from lockstep.engine.device import Compute
         from lockstep.service.storage import FetchCache, Storage
 
         torch.set_num_threads(threads)
+        self.compute = Compute(device, dtype)
+        self.compute.check()
         self.storage = Storage(storage_url)
         self.cache = Path(cache_dir)
         self.cache.mkdir(parents=True, exist_ok=True)
@@ -91,6 +95,8 @@ class EngineHost:
 
         if speculative not in DRAFTERS:  # an unknown name fails at start
             raise HostError(f"unknown drafter {speculative!r}; choose one of {', '.join(DRAFTERS)}")
+        if speculative != "off" and device != "cpu":
+            raise HostError("--speculative needs --device cpu: speculative decoding runs on the CPU path only, for now")
         self.speculative, self.draft_tokens, self.draft_timeout = speculative, draft_tokens, draft_timeout
 
     # -- models ----------------------------------------------------------------------------------
@@ -108,7 +114,7 @@ class EngineHost:
     def create_model(self, model_id: str, base_path: str, lora: dict | None) -> dict:
         from lockstep.engine.trainer import Trainer
 
-        self.trainers.put(model_id, Trainer.from_pretrained(base_path, lora=lora_spec(lora)))
+        self.trainers.put(model_id, Trainer.from_pretrained(base_path, lora=lora_spec(lora), compute=self.compute))
         return {"model_id": model_id, "type": "create_model"}
 
     def restore_state(self, model_id: str, base_path: str, lora: dict | None, storage_path: str,
@@ -118,7 +124,7 @@ class EngineHost:
 
         trainer = self.trainers.get(model_id)
         if trainer is None:
-            trainer = Trainer.from_pretrained(base_path, lora=lora_spec(lora))
+            trainer = Trainer.from_pretrained(base_path, lora=lora_spec(lora), compute=self.compute)
         with self._fetch(storage_path) as local:
             trainer.load_state(local, optimizer=optimizer)
         self.trainers.put(model_id, trainer)
@@ -179,7 +185,7 @@ class EngineHost:
         spec = lora_spec(lora)
         key = (base_path, None if spec is None else (spec.rank, spec.alpha, tuple(spec.target_modules)))
         if key not in self.skeletons:
-            t = Trainer.from_pretrained(base_path, lora=spec)
+            t = Trainer.from_pretrained(base_path, lora=spec, compute=self.compute)
             self.skeletons.put(key, (t, Sampler(t.model, t.tokenizer), {n: p.data for n, p in t.params.items()}))
         return self.skeletons.use(key)
 
@@ -255,7 +261,8 @@ def _save_weights(trainer, path: Path) -> None:
 
     meta = {"format": "lockstep-sampler-weights", "base_model": trainer.base_model, "step": trainer.step,
             "lora_rank": trainer.lora.rank if trainer.lora else 0}
-    checkpoint_io.write_checkpoint(path, tensors={"model": {n: p.detach() for n, p in trainer.params.items()}}, meta=meta)
+    checkpoint_io.write_checkpoint(path, tensors={"model": {n: p.detach().cpu() for n, p in trainer.params.items()}},
+                                   meta=meta)
 
 
 def _load_weights(local: Path, trainer) -> dict:
@@ -266,7 +273,7 @@ def _load_weights(local: Path, trainer) -> dict:
     missing = set(trainer.params) - set(weights)
     if missing:
         raise HostError(f"sampler weights at {local.name} do not fit this model (missing {sorted(missing)[:3]})")
-    return {n: weights[n] for n in trainer.params}
+    return {n: weights[n].to(p.device) for n, p in trainer.params.items()}  # a GPU host keeps them there
 
 
 def clear_cache(path: str) -> None:

@@ -38,6 +38,10 @@ from lockstep.service.types import JobState, ServiceError
 MiB = 1024 * 1024
 
 
+_LEAST = {"max_job_gpus": 0}
+"""Caps that may be 0 (off); every other cap is at least 1."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """Caps on one job (and one tenant's datasets and queue). Each applies per job; the policy
@@ -76,6 +80,9 @@ class Limits:
     """rollout.replicas and rollout.max_replicas (generator processes of a job)."""
     max_fork_branches: int = 8
     """rollout.fork.branches (continuations per forked episode)."""
+    max_job_gpus: int = 0
+    """GPUs a job may use with model.device = "cuda" (runtime.gpus; the scheduler gives a job this
+    many when it asks for the machine's, -1). 0: jobs run on CPU only and a CUDA spec is refused."""
     max_sandbox_wall_s: float = 60.0
     """env.sandbox.wall_s; the other env.sandbox limits have their own caps below."""
     max_sandbox_cpu_s: int = 30
@@ -103,8 +110,9 @@ class Limits:
             if f.name == "user_env_modules":
                 if not all(isinstance(m, str) and (m == "*" or all(p.isidentifier() for p in m.split("."))) for m in v):
                     raise PolicyError(f"user_env_modules: expected dotted module names or '*', got {list(v)!r}")
-            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 1:
-                raise PolicyError(f"{f.name}: expected a number >= 1, got {v!r}")
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < _LEAST.get(f.name, 1):
+                raise PolicyError(f"{f.name}: expected a number >= {_LEAST.get(f.name, 1)}, got {v!r}")
+
 
 
 class PolicyError(ValueError):
@@ -257,8 +265,19 @@ def check_spec(spec: dict, limits: Limits) -> RunSpec:
     except EnvError as e:
         raise ServiceError(f"spec: {e}") from None
     _check_caps(d, limits)
+    _check_gpus(run, limits)
     _check_references(d)
     return run
+
+
+def _check_gpus(run: RunSpec, limits: Limits) -> None:
+    if run.model.device != "cuda":
+        return
+    if limits.max_job_gpus == 0:
+        raise ServiceError("spec: model.device = 'cuda': this server runs jobs on CPU only (max_job_gpus = 0); "
+                           "set model.device = 'cpu'")
+    if run.runtime.gpus > limits.max_job_gpus:
+        raise _over("runtime.gpus", run.runtime.gpus, "max_job_gpus", limits.max_job_gpus)
 
 
 def _over(path: str, value, cap: str, limit, what: str = "") -> ServiceError:

@@ -211,7 +211,7 @@ class Scheduler:
         try:
             ray.get(pg.ready(), timeout=60)
             job_dir.mkdir(parents=True, exist_ok=True)
-            spec = self._materialise(d, inputs, job_dir)
+            spec = self._materialise(d, inputs, job_dir, limits.max_job_gpus)
             run = job_dir / "run"
             cmd = [sys.executable, "-m", "lockstep.cli", "run"]
             cmd += ["--resume", str(run)] if resume else [str(spec), "--run-dir", str(run)]
@@ -227,9 +227,10 @@ class Scheduler:
         offset = sum(1 for _ in open(run / "metrics.jsonl")) if resume and (run / "metrics.jsonl").exists() else 0
         return Attempt(job.id, job.tenant_id, number, proc, job_dir, pg, time.time(), budget, offset)
 
-    def _materialise(self, d: dict, inputs: Inputs, job_dir: Path) -> Path:
+    def _materialise(self, d: dict, inputs: Inputs, job_dir: Path, max_gpus: int = 0) -> Path:
         """spec.json for `lockstep run`: references replaced by local paths, inputs copied into
-        the job's directory (kept for the resumed attempts)."""
+        the job's directory (kept for the resumed attempts); a CUDA job gets the GPUs it asked for
+        (check_spec capped them) or, asking for the machine's (-1), the tenant's cap."""
         d = json.loads(json.dumps(d))
         local = job_dir / "inputs"
         local.mkdir(exist_ok=True)
@@ -256,6 +257,8 @@ class Scheduler:
                 _set(d, field, str(target))
         share = max(1, int(ray.cluster_resources().get("CPU", 1)) // max(1, self.capacity()))
         d["runtime"]["cpus"] = share
+        if d["model"]["device"] == "cuda" and d["runtime"]["gpus"] < 0:
+            d["runtime"]["gpus"] = max_gpus
         spec = job_dir / "spec.json"
         spec.write_text(json.dumps(d))
         return spec

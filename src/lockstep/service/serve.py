@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from lockstep.config.types import DRAFTERS
+from lockstep.config.types import DEVICES, DRAFTERS, DTYPES
 
 log = logging.getLogger("lockstep.serve")
 
@@ -179,6 +179,9 @@ WORKER_OPTIONS = (  # (flag, WorkerConfig field, type, help): shared by `lockste
     ("--janitor-every", "janitor_every_s", float, "seconds between deletions of expired checkpoints"),
     ("--session-ttl", "session_ttl_s", float, "seconds after a session's last heartbeat its sampler snapshots "
                                               "are deleted"),
+    ("--device", "device", lambda v: _choice(v, DEVICES),
+     "where the engine host computes: cpu, or cuda (Triton kernels on a GPU; needs the gpu extra)"),
+    ("--dtype", "dtype", lambda v: _choice(v, DTYPES), "float32, or bfloat16 (with --device cuda)"),
     ("--speculative", "speculative", lambda v: _choice(v, DRAFTERS),
      "speculative decoding in sampling sessions: off, suffix or model (samples and logprobs never change)"),
     ("--draft-tokens", "draft_tokens", lambda v: _at_least(v, 1, 64), "tokens drafted per row and step, at most"),

@@ -163,6 +163,11 @@ class WorkerConfig:
     """Local copies of saved states kept for reuse (least recently used evicted beyond it)."""
     janitor_every_s: float = 30.0
     """How often expired checkpoints and abandoned sessions' sampler snapshots are deleted."""
+    device: str = "cpu"
+    """Where the engine host computes: "cpu", or "cuda" (the Triton kernels; the executor then takes
+    a GPU from Ray)."""
+    dtype: str = "float32"
+    """"float32", or "bfloat16" (needs device "cuda")."""
     speculative: str = "off"
     """Speculative decoding in sampling sessions: a drafter name ("suffix", "model") or "off"; each session
     gets its own drafter and decides per step whether speculating pays (outputs never change)."""

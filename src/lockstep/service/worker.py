@@ -20,6 +20,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from lockstep import raylocal
+from lockstep.runtime.plan import require_gpus, visible_gpus
 from lockstep.service import janitor, queue
 from lockstep.service.db import BaseModelEntry, connect
 from lockstep.service.executor import Executor
@@ -78,6 +79,8 @@ class Worker:
         from lockstep.engine.tiny import ensure_tiny_model
 
         raylocal.guard()  # before anything is started: jobs, Ray and the Executor die with this process
+        if self.config.device == "cuda":  # no GPU or no Triton: an error now, never a CPU fallback
+            require_gpus(visible_gpus(), "--device", "start the worker with --device cpu")
         home = Path(self.config.home)
         home.mkdir(parents=True, exist_ok=True)
         models = {BUILTIN_MODEL: str(ensure_tiny_model()), **self.config.models}
@@ -98,7 +101,7 @@ class Worker:
         # On this node: the API rings it on loopback. num_cpus=0: it takes no Ray CPU slot, which the
         # jobs' actors need; it sets its own threads. Two threads of the actor: serve() and stop().
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.executor = Executor.options(num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=2,
+        self.executor = Executor.options(num_cpus=0, num_gpus=1 if self.config.device == "cuda" else 0, max_restarts=-1, max_task_retries=0, max_concurrency=2,
                                          scheduling_strategy=here).remote(self.config, self.id, os.getpid())
         ray.get(self.executor.ready.remote(), timeout=300)
 

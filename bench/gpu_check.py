@@ -1,0 +1,210 @@
+"""The CUDA path on one GPU, engine-level (no Ray): what bench/gpu_check.sh runs.
+
+1. Consistency (`lockstep check consistency --device cuda`'s workload, engine/consistency.py) on
+   the built-in model and on a randomly initialised Qwen2 of about 0.5B parameters (Qwen2-0.5B's
+   shape): sampler (KV-cache decode) against trainer (full forward), tokens compared, bitwise equal,
+   max |Δlogp|, and the same for plain transformers (HF `generate` against a padded forward).
+2. Sampler throughput: new tokens/s of lockstep's sampler against HF `generate` (sdpa attention),
+   batch 64, bf16, the 0.5B model.
+3. Train step: the invariant trainer's step (forward_backward + optim_step) against the plain
+   transformers step (autocast bf16 over float32 weights, loss.backward, AdamW), same batch.
+4. MFU of both train steps against the measured bf16 matmul peak (8192^3 products).
+
+Writes one JSON object (--out) and prints a table. --quick shrinks every size (a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from lockstep.engine import consistency  # noqa: E402
+from lockstep.engine.device import Compute  # noqa: E402
+from lockstep.engine.sampler import Sampler  # noqa: E402
+from lockstep.engine.tiny import ensure_tiny_model, save_model_dir  # noqa: E402
+from lockstep.engine.trainer import Trainer  # noqa: E402
+from lockstep.engine.types import AdamParams, Datum, SampleRequest, SamplingParams  # noqa: E402
+
+QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True,
+                 rope_theta=1000000.0, rms_norm_eps=1e-6)
+"""Qwen2-0.5B's architecture (its config.json), randomly initialised: 494M parameters."""
+
+
+def sync() -> None:
+    torch.cuda.synchronize()
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of `repeats` calls after one warm-up (Triton compiles on first use)."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def environment() -> dict:
+    import transformers
+    import triton
+
+    p = torch.cuda.get_device_properties(0)
+    return {"gpu": p.name, "sms": p.multi_processor_count, "memory_gib": round(p.total_memory / 2**30, 1),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "transformers": transformers.__version__, "python": sys.version.split()[0]}
+
+
+def random_qwen2(root: Path, quick: bool) -> Path:
+    from transformers import Qwen2Config
+
+    shape = dict(QWEN2_05B, num_hidden_layers=4) if quick else QWEN2_05B
+    return save_model_dir(root / "qwen2-0.5b-random", Qwen2Config(**shape), seed=0)
+
+
+def check_consistency(model_dir: Path, dtype: str, max_tokens: int) -> dict:
+    t = time.perf_counter()
+    r = consistency.run(str(model_dir), max_tokens=max_tokens, compute=Compute("cuda", dtype))
+    return {"path": r["path_reason"], "tokens_compared": r["tokens_compared"], "tokens_bitwise_equal": r["tokens_bitwise_equal"],
+            "max_abs_diff": r["max_abs_diff"], "hf_tokens_compared": r["hf"]["tokens_compared"],
+            "hf_tokens_bitwise_equal": r["hf"]["tokens_bitwise_equal"], "hf_max_abs_diff": r["hf"]["max_abs_diff"],
+            "seconds": round(time.perf_counter() - t, 1)}
+
+
+def sampler_throughput(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(4, 4000, (batch, prompt_len), generator=g)
+    trainer = Trainer.from_pretrained(model_dir, compute=Compute("cuda", "bfloat16"))
+    sampler = Sampler(trainer.model, trainer.tokenizer)
+    params = SamplingParams(max_tokens=new_tokens, temperature=1.0, stop=(), seed=1)
+    requests = [SampleRequest(tuple(p.tolist()), params) for p in prompts]
+    ours = timed(lambda: sampler.sample(requests), repeats)
+    del trainer, sampler
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    ids = prompts.cuda()
+
+    def generate():
+        with torch.no_grad():
+            hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0, top_p=1.0,
+                        max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+
+    theirs = timed(generate, repeats)
+    del hf
+    torch.cuda.empty_cache()
+    tokens = batch * new_tokens
+    return {"batch": batch, "prompt_tokens": prompt_len, "new_tokens": new_tokens, "lockstep_tok_s": round(tokens / ours),
+            "hf_generate_tok_s": round(tokens / theirs), "ratio": round(theirs / ours, 3)}
+
+
+def train_steps(model_dir: Path, batch: int, seq: int, repeats: int) -> dict:
+    """Seconds per step of both trainers on the same token batch, and their model FLOPs per step."""
+    from transformers import AutoModelForCausalLM
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(4, 4000, (batch, seq), generator=g)
+    data = [Datum.from_tokens(row.tolist()) for row in tokens]
+    adam = AdamParams(learning_rate=1e-5)
+    trainer = Trainer.from_pretrained(model_dir, compute=Compute("cuda", "bfloat16"))
+    n_params = sum(p.numel() for n, p in trainer.params.items() if "embed_tokens" not in n)
+
+    def ours():
+        trainer.forward_backward(data, "cross_entropy")
+        trainer.optim_step(adam)
+
+    ours_s = timed(ours, repeats)
+    del trainer
+    torch.cuda.empty_cache()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").cuda().train()
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-5)
+    ids = tokens.cuda()
+
+    def plain():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = hf(input_ids=ids, labels=ids).loss * ids.numel()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    plain_s = timed(plain, repeats)
+    del hf, opt
+    torch.cuda.empty_cache()
+    # 6 N per token (forward 2N, backward 4N) for the matmul weights, the tied unembedding included.
+    lm_head = QWEN2_05B["hidden_size"] * QWEN2_05B["vocab_size"]
+    flops = 6 * (n_params + lm_head) * batch * seq
+    return {"batch": batch, "seq": seq, "lockstep_step_s": round(ours_s, 4), "transformers_step_s": round(plain_s, 4),
+            "ratio": round(ours_s / plain_s, 3), "flops_per_step": flops}
+
+
+def matmul_peak(n: int, repeats: int) -> float:
+    """Measured bf16 TFLOP/s of an n^3 product (random data)."""
+    a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    s = timed(lambda: a @ b, repeats)
+    return 2 * n**3 / s / 1e12
+
+
+def table(report: dict) -> str:
+    rows = ["| check | lockstep | transformers |", "| --- | --- | --- |"]
+    for name, c in report["consistency"].items():
+        rows.append(f"| consistency {name}: bitwise equal / compared (max abs dlogp) | {c['tokens_bitwise_equal']}/"
+                    f"{c['tokens_compared']} ({c['max_abs_diff']:.3g}) | {c['hf_tokens_bitwise_equal']}/"
+                    f"{c['hf_tokens_compared']} ({c['hf_max_abs_diff']:.3g}) |")
+    s = report["sampler"]
+    rows.append(f"| sampler new tokens/s, batch {s['batch']} (lockstep / HF generate = {s['ratio']}) | "
+                f"{s['lockstep_tok_s']} | {s['hf_generate_tok_s']} |")
+    t = report["train"]
+    rows.append(f"| train step s, {t['batch']}x{t['seq']} tokens (ratio {t['ratio']}, goal <= 1.3) | "
+                f"{t['lockstep_step_s']} | {t['transformers_step_s']} |")
+    rows.append(f"| train MFU vs measured bf16 peak {report['peak_tflops']:.0f} TFLOP/s | {t['lockstep_mfu']:.3f} | "
+                f"{t['transformers_mfu']:.3f} |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="gpu_check.json", help="where the JSON goes")
+    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: torch sees no GPU", file=sys.stderr)
+        return 2
+    quick = a.quick
+    report: dict = {"date": time.strftime("%Y-%m-%d"), "environment": environment(), "consistency": {}}
+    print(json.dumps(report["environment"]), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        qwen = random_qwen2(Path(tmp), quick)
+        builtin = ensure_tiny_model(Path(tmp) / "builtin")
+        for name, path, dtype in (("builtin/float32", builtin, "float32"), ("builtin/bfloat16", builtin, "bfloat16"),
+                                  ("qwen2-0.5b/bfloat16", qwen, "bfloat16")):
+            report["consistency"][name] = check_consistency(path, dtype, 8 if quick else 16)
+            print(name, json.dumps(report["consistency"][name]), flush=True)
+        report["sampler"] = sampler_throughput(qwen, 64, 64, 32 if quick else 128, 1 if quick else 3)
+        print("sampler", json.dumps(report["sampler"]), flush=True)
+        report["train"] = train_steps(qwen, 4 if quick else 16, 256 if quick else 512, 2 if quick else 3)
+    report["peak_tflops"] = round(matmul_peak(8192, 10), 1)
+    t = report["train"]
+    for side in ("lockstep", "transformers"):
+        t[f"{side}_mfu"] = t["flops_per_step"] / t[f"{side}_step_s"] / (report["peak_tflops"] * 1e12)
+    print("train", json.dumps(t), flush=True)
+    Path(a.out).write_text(json.dumps(report, indent=2))
+    print(table(report))
+    exact = all(c["tokens_bitwise_equal"] == c["tokens_compared"] for c in report["consistency"].values())
+    return 0 if exact else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
