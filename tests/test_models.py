@@ -64,49 +64,6 @@ def _decode_logprobs(model, seq, prefill):
     return torch.cat(outs)
 
 
-def _random_dir(tmp_path_factory, arch: str) -> str:
-    """A small random model of `arch`, built from a config in code and saved with save_pretrained
-    (no download). Every weight, norms included, is redrawn far from its init (norms at 1, tiny
-    projections), so that a missing or wrong piece of the forward (Qwen3's q/k norms, an explicit
-    head_dim, biases) moves the logprobs by much more than float32 rounding."""
-    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
-
-    from lockstep.engine.tiny import build_char_tokenizer, char_vocab
-
-    common = dict(vocab_size=len(char_vocab()), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
-                  rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu", eos_token_id=2, pad_token_id=0)
-    config = {
-        "qwen2": lambda: Qwen2Config(**common),
-        "llama": lambda: LlamaConfig(**common, attention_bias=False),
-        "qwen3": lambda: Qwen3Config(**common, head_dim=24, use_sliding_window=False),  # head_dim != 64 / 4
-        "mistral": lambda: MistralConfig(**common, sliding_window=None),
-        # Mixtures of experts: 4 experts, 2 per token; Qwen3-MoE with a dense first layer
-        "qwen3_moe": lambda: Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=32, num_experts=4,
-                                            num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
-                                            use_sliding_window=False),
-        "mixtral": lambda: MixtralConfig(**{**common, "intermediate_size": 48}, num_local_experts=4,
-                                         num_experts_per_tok=2, sliding_window=None),
-    }[arch]()
-    torch.manual_seed(len(arch))
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            gain = 3.0 if "lm_head" in name else 1.0  # logits spread over several nats
-            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else gain * torch.randn_like(p) / p.shape[-1] ** 0.5)
-    path = tmp_path_factory.mktemp(arch)
-    model.save_pretrained(path, safe_serialization=True)
-    build_char_tokenizer().save_pretrained(path)
-    assert json.loads((path / "config.json").read_text())["model_type"] == arch
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def arch_dirs(tmp_path_factory):
-    return {arch: _random_dir(tmp_path_factory, arch) for arch in ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe",
-                                                                   "mixtral")}
-
-
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "mixtral"])
 def test_forward_matches_transformers_own_forward(arch, arch_dirs):
     """Each supported architecture, loaded from its directory, computes what transformers does."""
