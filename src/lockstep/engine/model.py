@@ -207,13 +207,17 @@ class InvariantLM:
     def _compute_copy(self, weight: torch.Tensor) -> torch.Tensor:
         return weight.to(self.dtype) if self._casting else weight
 
+    def _weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A weight as the forward computes with it: in bf16 a float32 parameter's bf16 copy (cached
+        outside autograd; under it cast inline, so gradients reach the float32 parameter)."""
+        if not self._casting or weight.dtype == self.dtype:
+            return weight
+        cached = None if torch.is_grad_enabled() else self._casts.get(id(weight))
+        return cached[1] if cached is not None and cached[0] is weight else weight.to(self.dtype)
+
     def _lin(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The path's row-invariant matmul. In bf16 a float32 weight is used through its bf16 copy
-        (cached outside autograd; under it cast inline, so gradients reach the float32 parameter);
-        a bias is added in float32 by the kernel."""
-        if weight.dtype != x.dtype and self._casting:
-            cached = None if torch.is_grad_enabled() else self._casts.get(id(weight))
-            weight = cached[1] if cached is not None and cached[0] is weight else weight.to(x.dtype)
+        """The path's row-invariant matmul (a bias is added in float32 by the kernel)."""
+        weight = self._weight(weight)
         return self.ops.linear(x, weight, bias) if self.ops is not None else inv.linear(x, weight, bias)
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -369,14 +373,15 @@ class InvariantLM:
             counts = torch.bincount(chosen.detach().flatten(), minlength=probs.shape[-1])
             self._router_counts[i] = self._router_counts[i] + counts if i in self._router_counts else counts
         out_NKH = x.new_zeros(B * T, k, H)
+        gate_up, down = self._weight(experts.gate_up_proj), self._weight(experts.down_proj)  # (E, ...), cast once
         for e in torch.unique(chosen).tolist():  # ascending: a fixed order, though nothing depends on it
             token, slot = (chosen == e).nonzero(as_tuple=True)
-            act = silu_mul(self._lin(x.index_select(0, token), experts.gate_up_proj[e]))
-            out_NKH = out_NKH.index_put((token, slot), self._lin(act, experts.down_proj[e]))
+            act = silu_mul(self._lin(x.index_select(0, token), gate_up[e]))
+            out_NKH = out_NKH.index_put((token, slot), self._lin(act, down[e]))
         y = out_NKH[:, 0] * weights[:, :1]
         for j in range(1, k):
             y = y + out_NKH[:, j] * weights[:, j : j + 1]
-        return y.view(B, T, H)
+        return y.view(B, T, H).to(h.dtype)  # the routing weights are fp32; bf16 activations stay bf16
 
     def reset_router_counts(self) -> None:
         """Count the experts' tokens from zero (the sampler never asks, so never counts)."""
