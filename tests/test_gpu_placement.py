@@ -125,3 +125,32 @@ def test_jobs_ask_for_gpus_within_the_operators_cap():
         check_spec({**cuda, "runtime": {"gpus": 4}}, Limits(max_job_gpus=2))
     assert check_spec({**cuda, "runtime": {"gpus": 1}}, Limits(max_job_gpus=2)).runtime.gpus == 1
     assert check_spec({}, Limits()).model.device == "cpu"
+
+
+def test_a_gpu_host_copies_a_sessions_weights_onto_the_device_once():
+    """Pinned sampler weights stay in host memory; a skeleton on another device (here torch's
+    "meta" device stands in for a GPU) gets a copy, and not again while it holds that session's."""
+    import types
+
+    import torch
+
+    from lockstep.service.host import _hold
+
+    class Counted(dict):
+        reads = 0
+
+        def __getitem__(self, key):
+            self.reads += 1
+            return super().__getitem__(key)
+
+    skeleton = types.SimpleNamespace(params={"w": torch.nn.Parameter(torch.zeros(3, device="meta"))})
+    a, b = Counted(w=torch.ones(3)), Counted(w=torch.full((3,), 2.0))
+    _hold(skeleton, "a", a)
+    assert skeleton.params["w"].device.type == "meta" and skeleton.held_session == "a" and a.reads == 1
+    _hold(skeleton, "a", a)
+    assert a.reads == 1  # still holding session a: no second copy
+    _hold(skeleton, "b", b)
+    assert skeleton.held_session == "b" and b.reads == 1
+    cpu = types.SimpleNamespace(params={"w": torch.nn.Parameter(torch.zeros(3))})
+    _hold(cpu, "a", a)
+    assert cpu.params["w"].data_ptr() == a["w"].data_ptr()  # on the CPU: the pinned tensor itself

@@ -206,8 +206,8 @@ class EngineHost:
         pinned to a copy; returns the bytes written."""
         trainer = self._trainer(model_id)
         size = self.save_state(model_id, key, optimizer=False)
-        self.sessions.put(session_id, (base_path, lora, {n: p.detach().clone() for n, p in trainer.params.items()},
-                                       self._speculation()))
+        self.sessions.put(session_id, (base_path, lora, {n: p.detach().to("cpu", copy=True)
+                                                         for n, p in trainer.params.items()}, self._speculation()))
         return size
 
     def _speculation(self) -> dict | None:
@@ -228,8 +228,7 @@ class EngineHost:
             raise HostError(f"sampling session {session_id} is not open")
         base_path, lora, weights, speculation = self.sessions.use(session_id)
         trainer, sampler, _ = self._skeleton(base_path, lora)
-        for name, p in trainer.params.items():
-            p.data = weights[name]
+        _hold(trainer, session_id, weights)
         if speculation is not None:
             from lockstep.engine.drafters import make_drafter
             from lockstep.engine.sampler import Sampler
@@ -255,6 +254,19 @@ class EngineHost:
         return wire.encode_sample_response(seqs, res.prompt_logprobs), tokens
 
 
+def _hold(trainer, session_id: str, weights: dict) -> None:
+    """Point a skeleton's parameters at a session's pinned weights: on the CPU without a copy; on a
+    GPU host a copy onto the device, skipped while the skeleton still holds that session's (pinned
+    weights live in host memory: max_sessions copies of a model would not fit on one GPU)."""
+    on_device = next(iter(trainer.params.values())).device.type != "cpu"
+    if on_device and getattr(trainer, "held_session", None) == session_id:
+        return
+    for name, p in trainer.params.items():
+        w = weights[name]
+        p.data = w if w.device == p.device else w.to(p.device)
+    trainer.held_session = session_id
+
+
 def _save_weights(trainer, path: Path) -> None:
     """Trainable weights only (a sampler snapshot), in the engine's atomic checkpoint format."""
     from lockstep.engine import checkpoint_io
@@ -273,7 +285,7 @@ def _load_weights(local: Path, trainer) -> dict:
     missing = set(trainer.params) - set(weights)
     if missing:
         raise HostError(f"sampler weights at {local.name} do not fit this model (missing {sorted(missing)[:3]})")
-    return {n: weights[n].to(p.device) for n, p in trainer.params.items()}  # a GPU host keeps them there
+    return {n: weights[n] for n in trainer.params}  # in host memory (see _hold)
 
 
 def clear_cache(path: str) -> None:
