@@ -10,7 +10,10 @@
    transformers step (autocast bf16 over float32 weights, loss.backward, AdamW), same batch.
 4. MFU of both train steps against the measured bf16 matmul peak (8192^3 products).
 
-Writes one JSON object (--out) and prints a table. --quick shrinks every size (a smoke run).
+Writes one JSON object (--out) and prints a table. --quick shrinks every size (a short GPU run);
+--cpu-smoke runs every step on the CPU under Triton's interpreter (TRITON_INTERPRET=1) at toy
+sizes, so that a bug in this script is found here and not in a GPU session's few minutes
+(tests/test_gpu_check_script.py runs it).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from dataclasses import dataclass  # noqa: E402
+
 from lockstep.engine import consistency  # noqa: E402
 from lockstep.engine.device import Compute  # noqa: E402
 from lockstep.engine.sampler import Sampler  # noqa: E402
@@ -40,8 +45,47 @@ QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, 
 """Qwen2-0.5B's architecture (its config.json), randomly initialised: 494M parameters."""
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """How big each part of the check is."""
+
+    device: str
+    shape: dict  # the random Qwen2's config
+    consistency_tokens: int
+    consistency_batches: tuple[int, ...]
+    sample_batch: int
+    sample_prompt: int
+    sample_new: int
+    train_batch: int
+    train_seq: int
+    repeats: int
+    peak_n: int
+    builtin: bool = True
+    """Also check the built-in model (under the interpreter it alone takes ~10 minutes)."""
+
+    @property
+    def compute_kw(self) -> dict:
+        """Compute() arguments: on a CPU the Triton kernels run under the interpreter."""
+        return {"device": self.device, "kernels": "triton"}
+
+
+FULL = Sizes("cuda", QWEN2_05B, 16, consistency.BATCH_SIZES, 64, 64, 128, 16, 512, 3, 8192)
+QUICK = Sizes("cuda", dict(QWEN2_05B, num_hidden_layers=4), 8, consistency.BATCH_SIZES, 64, 64, 32, 4, 256, 1, 8192)
+CPU_SMOKE = Sizes("cpu", dict(QWEN2_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+                  2, (1, 3), 2, 5, 3, 2, 16, 1, 64, builtin=False)
+SIZES: Sizes = FULL
+"""The sizes of this run (main() sets them)."""
+
+
 def sync() -> None:
-    torch.cuda.synchronize()
+    if SIZES.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    if SIZES.device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def timed(fn, repeats: int) -> float:
@@ -61,41 +105,50 @@ def environment() -> dict:
     import transformers
     import triton
 
+    versions = {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+                "python": sys.version.split()[0]}
+    if SIZES.device != "cuda":
+        return {"gpu": None, "device": "cpu (Triton's interpreter)", **versions}
     p = torch.cuda.get_device_properties(0)
     return {"gpu": p.name, "sms": p.multi_processor_count, "memory_gib": round(p.total_memory / 2**30, 1),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-            "transformers": transformers.__version__, "python": sys.version.split()[0]}
+            "cuda": torch.version.cuda, **versions}
 
 
-def random_qwen2(root: Path, quick: bool) -> Path:
+def random_qwen2(root: Path) -> Path:
     from transformers import Qwen2Config
 
-    shape = dict(QWEN2_05B, num_hidden_layers=4) if quick else QWEN2_05B
-    return save_model_dir(root / "qwen2-0.5b-random", Qwen2Config(**shape), seed=0)
+    return save_model_dir(root / "qwen2-random", Qwen2Config(**SIZES.shape), seed=0)
 
 
-def check_consistency(model_dir: Path, dtype: str, max_tokens: int) -> dict:
+def random_tokens(rows: int, length: int, vocab: int) -> torch.Tensor:
+    """Token ids past the char tokenizer's specials, below the vocabulary's size."""
+    return torch.randint(4, min(4000, vocab), (rows, length), generator=torch.Generator().manual_seed(0))
+
+
+def check_consistency(model_dir: Path, dtype: str) -> dict:
     t = time.perf_counter()
-    r = consistency.run(str(model_dir), max_tokens=max_tokens, compute=Compute("cuda", dtype))
+    r = consistency.run(str(model_dir), max_tokens=SIZES.consistency_tokens, batch_sizes=SIZES.consistency_batches,
+                        compute=Compute(dtype=dtype, **SIZES.compute_kw))
     return {"path": r["path_reason"], "tokens_compared": r["tokens_compared"], "tokens_bitwise_equal": r["tokens_bitwise_equal"],
             "max_abs_diff": r["max_abs_diff"], "hf_tokens_compared": r["hf"]["tokens_compared"],
             "hf_tokens_bitwise_equal": r["hf"]["tokens_bitwise_equal"], "hf_max_abs_diff": r["hf"]["max_abs_diff"],
             "seconds": round(time.perf_counter() - t, 1)}
 
 
-def sampler_throughput(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> dict:
+def sampler_throughput(model_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(4, 4000, (batch, prompt_len), generator=g)
-    trainer = Trainer.from_pretrained(model_dir, compute=Compute("cuda", "bfloat16"))
+    batch, prompt_len, new_tokens, repeats = SIZES.sample_batch, SIZES.sample_prompt, SIZES.sample_new, SIZES.repeats
+    prompts = random_tokens(batch, prompt_len, SIZES.shape["vocab_size"])
+    trainer = Trainer.from_pretrained(model_dir, compute=Compute(dtype="bfloat16", **SIZES.compute_kw))
     sampler = Sampler(trainer.model, trainer.tokenizer)
     params = SamplingParams(max_tokens=new_tokens, temperature=1.0, stop=(), seed=1)
     requests = [SampleRequest(tuple(p.tolist()), params) for p in prompts]
     ours = timed(lambda: sampler.sample(requests), repeats)
     del trainer, sampler
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
-    ids = prompts.cuda()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    hf = hf.to(SIZES.device).eval()
+    ids = prompts.to(SIZES.device)
 
     def generate():
         with torch.no_grad():
@@ -104,21 +157,21 @@ def sampler_throughput(model_dir: Path, batch: int, prompt_len: int, new_tokens:
 
     theirs = timed(generate, repeats)
     del hf
-    torch.cuda.empty_cache()
+    free_memory()
     tokens = batch * new_tokens
     return {"batch": batch, "prompt_tokens": prompt_len, "new_tokens": new_tokens, "lockstep_tok_s": round(tokens / ours),
             "hf_generate_tok_s": round(tokens / theirs), "ratio": round(theirs / ours, 3)}
 
 
-def train_steps(model_dir: Path, batch: int, seq: int, repeats: int) -> dict:
+def train_steps(model_dir: Path) -> dict:
     """Seconds per step of both trainers on the same token batch, and their model FLOPs per step."""
     from transformers import AutoModelForCausalLM
 
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(4, 4000, (batch, seq), generator=g)
+    batch, seq, repeats = SIZES.train_batch, SIZES.train_seq, SIZES.repeats
+    tokens = random_tokens(batch, seq, SIZES.shape["vocab_size"])
     data = [Datum.from_tokens(row.tolist()) for row in tokens]
     adam = AdamParams(learning_rate=1e-5)
-    trainer = Trainer.from_pretrained(model_dir, compute=Compute("cuda", "bfloat16"))
+    trainer = Trainer.from_pretrained(model_dir, compute=Compute(dtype="bfloat16", **SIZES.compute_kw))
     n_params = sum(p.numel() for n, p in trainer.params.items() if "embed_tokens" not in n)
 
     def ours():
@@ -127,13 +180,14 @@ def train_steps(model_dir: Path, batch: int, seq: int, repeats: int) -> dict:
 
     ours_s = timed(ours, repeats)
     del trainer
-    torch.cuda.empty_cache()
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").cuda().train()
+    free_memory()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    hf = hf.to(SIZES.device).train()
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-5)
-    ids = tokens.cuda()
+    ids = tokens.to(SIZES.device)
 
     def plain():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(SIZES.device, dtype=torch.bfloat16):
             loss = hf(input_ids=ids, labels=ids).loss * ids.numel()
         loss.backward()
         opt.step()
@@ -141,9 +195,9 @@ def train_steps(model_dir: Path, batch: int, seq: int, repeats: int) -> dict:
 
     plain_s = timed(plain, repeats)
     del hf, opt
-    torch.cuda.empty_cache()
+    free_memory()
     # 6 N per token (forward 2N, backward 4N) for the matmul weights, the tied unembedding included.
-    lm_head = QWEN2_05B["hidden_size"] * QWEN2_05B["vocab_size"]
+    lm_head = SIZES.shape["hidden_size"] * SIZES.shape["vocab_size"]
     flops = 6 * (n_params + lm_head) * batch * seq
     return {"batch": batch, "seq": seq, "lockstep_step_s": round(ours_s, 4), "transformers_step_s": round(plain_s, 4),
             "ratio": round(ours_s / plain_s, 3), "flops_per_step": flops}
@@ -151,7 +205,7 @@ def train_steps(model_dir: Path, batch: int, seq: int, repeats: int) -> dict:
 
 def matmul_peak(n: int, repeats: int) -> float:
     """Measured bf16 TFLOP/s of an n^3 product (random data)."""
-    a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a, b = (torch.randn(n, n, device=SIZES.device, dtype=torch.bfloat16) for _ in range(2))
     s = timed(lambda: a @ b, repeats)
     return 2 * n**3 / s / 1e12
 
@@ -176,28 +230,40 @@ def table(report: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="gpu_check.json", help="where the JSON goes")
-    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="small sizes (a short GPU run)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="every step on the CPU under Triton's interpreter at toy sizes (needs TRITON_INTERPRET=1)")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
+    global SIZES
+    SIZES = CPU_SMOKE if a.cpu_smoke else QUICK if a.quick else FULL
+    if SIZES.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: torch sees no GPU", file=sys.stderr)
         return 2
-    quick = a.quick
+    if SIZES.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("gpu_check: --cpu-smoke needs TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+        return 2
     report: dict = {"date": time.strftime("%Y-%m-%d"), "environment": environment(), "consistency": {}}
     print(json.dumps(report["environment"]), flush=True)
+    name = "qwen2-0.5b" if SIZES.shape is QWEN2_05B else "qwen2-random"
     with tempfile.TemporaryDirectory() as tmp:
-        qwen = random_qwen2(Path(tmp), quick)
-        builtin = ensure_tiny_model(Path(tmp) / "builtin")
-        for name, path, dtype in (("builtin/float32", builtin, "float32"), ("builtin/bfloat16", builtin, "bfloat16"),
-                                  ("qwen2-0.5b/bfloat16", qwen, "bfloat16")):
-            report["consistency"][name] = check_consistency(path, dtype, 8 if quick else 16)
-            print(name, json.dumps(report["consistency"][name]), flush=True)
-        report["sampler"] = sampler_throughput(qwen, 64, 64, 32 if quick else 128, 1 if quick else 3)
+        qwen = random_qwen2(Path(tmp))
+        cases = [(f"{name}/bfloat16", qwen, "bfloat16")]
+        if SIZES.builtin:
+            builtin = ensure_tiny_model(Path(tmp) / "builtin")
+            cases = [("builtin/float32", builtin, "float32"), ("builtin/bfloat16", builtin, "bfloat16"), *cases]
+        else:
+            cases = [(f"{name}/float32", qwen, "float32"), *cases]
+        for case, path, dtype in cases:
+            report["consistency"][case] = check_consistency(path, dtype)
+            print(case, json.dumps(report["consistency"][case]), flush=True)
+        report["sampler"] = sampler_throughput(qwen)
         print("sampler", json.dumps(report["sampler"]), flush=True)
-        report["train"] = train_steps(qwen, 4 if quick else 16, 256 if quick else 512, 2 if quick else 3)
-    report["peak_tflops"] = round(matmul_peak(8192, 10), 1)
+        report["train"] = train_steps(qwen)
+    peak = matmul_peak(SIZES.peak_n, 10)
+    report["peak_tflops"] = round(peak, 3)
     t = report["train"]
     for side in ("lockstep", "transformers"):
-        t[f"{side}_mfu"] = t["flops_per_step"] / t[f"{side}_step_s"] / (report["peak_tflops"] * 1e12)
+        t[f"{side}_mfu"] = t["flops_per_step"] / t[f"{side}_step_s"] / (peak * 1e12)
     print("train", json.dumps(t), flush=True)
     Path(a.out).write_text(json.dumps(report, indent=2))
     print(table(report))

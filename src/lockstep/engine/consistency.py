@@ -200,9 +200,10 @@ def is_moe(model_dir: str) -> bool:
 
 
 def run(model_dir: str, *, seed: int = 0, max_tokens: int = 16, lora_rank: int = 8, speculative: str = "off",
-        draft_tokens: int = 4, compute: Compute = Compute()) -> dict:
+        draft_tokens: int = 4, compute: Compute = Compute(), batch_sizes: tuple[int, ...] = BATCH_SIZES) -> dict:
     """Run the workload; return the summary dict (see module docstring). `compute`: the device and
-    dtype of both sides (the transformers comparison runs in the same)."""
+    dtype of both sides (the transformers comparison runs in the same); `batch_sizes`: fewer or
+    smaller batches for a smoke run (Triton's interpreter on a CPU)."""
     if speculative not in DRAFTERS:  # an unknown name fails before any work
         raise EngineError(f"unknown drafter {speculative!r}; choose one of {', '.join(DRAFTERS)}")
     spec = {"drafter": speculative, "draft_tokens": draft_tokens, "drafted": 0, "accepted": 0}
@@ -216,7 +217,7 @@ def run(model_dir: str, *, seed: int = 0, max_tokens: int = 16, lora_rank: int =
             _perturb_lora(trainer, seed)
         plain = copy.deepcopy(trainer.hf_model).to(compute.torch_dtype)
         pad = trainer.tokenizer.pad_token_id if trainer.tokenizer.pad_token_id is not None else 0
-        for bs in BATCH_SIZES:
+        for bs in batch_sizes:
             prompts = _prompts(rng, bs, trainer.vocab_size)
             case = {"lora": lora_on, "batch": bs}
             for threads in THREADS:
