@@ -19,7 +19,10 @@ import ray
 sys.path.insert(0, "bench")
 from common import emit, median, model_dir  # noqa: E402
 
+from lockstep.engine.types import SampleRequest, SamplingParams  # noqa: E402
 from lockstep.runtime.actors import GeneratorActor, TrainerActor  # noqa: E402
+
+ONE_TOKEN = [SampleRequest((5, 6), SamplingParams(max_tokens=1, temperature=0.0, stop=()))]
 
 
 def main() -> None:
@@ -33,7 +36,7 @@ def main() -> None:
         path = model_dir(size)
         trainer = TrainerActor.options(num_cpus=0.5).remote(path, 0, 32.0, 1)
         gen = GeneratorActor.options(num_cpus=0.5).remote(path, 0, 32.0, 1)
-        ray.get([trainer.stats.remote(), gen.stats.remote()])
+        ray.get([trainer.start_fresh.remote(), gen.stats.remote()])
         publish, visible = [], []
         for i in range(args.repeats + 1):
             t = time.perf_counter()
@@ -41,7 +44,7 @@ def main() -> None:
             ray.get(version_ref)
             t_pub = time.perf_counter()
             ray.get(gen.set_weights.remote(i + 1, weights_ref, time.time()))
-            ray.get(gen.greedy.remote([(5, 6)], 1))  # applies the pending weights, like a decode step
+            ray.get(gen.sample.remote(ONE_TOKEN))  # applies the pending weights, as a rollout's call does
             lat = ray.get(gen.stats.remote())["swap_latency_s_last"]
             if i:  # the first round warms up
                 publish.append(t_pub - t)

@@ -23,11 +23,13 @@ gradients (5.05 MB) in 14.8 ms with two ranks (BENCHMARKS.md section 15, this pr
 measurement on a 2-vCPU EPYC)."""
 
 
-PUBLISH_BW = (416e6 - 5.05e6) / (155e-3 - 19.5e-3)
+PUBLISH_BW = (416e6 - 5.05e6) / (95e-3 - 10.9e-3)
 """Bytes/s of a weight publish through Ray's object store, from its growth between the built-in
-model (5.05 MB fp32, 19.5 ms) and 100M (416 MB, 155 ms): BENCHMARKS.md section 4."""
-PUBLISH_LATENCY = 19.5e-3 - 5.05e6 / PUBLISH_BW + 6.3e-3
-"""Seconds of a publish's fixed part plus publish-to-visible in the generator (6.3 ms), same source."""
+model (5.05 MB fp32, 10.9 ms) and 100M (416 MB, 95 ms): BENCHMARKS.md section 4, run 2 (2026-12-06;
+run 1's 19.5 and 155 ms made the built-in model's sync 25.8 ms, against 7 ms for the publish
+span of a run's step measured that day)."""
+PUBLISH_LATENCY = 10.9e-3 - 5.05e6 / PUBLISH_BW + 4.8e-3
+"""Seconds of a publish's fixed part plus publish-to-visible in the generator (4.8 ms), same source."""
 
 
 def _time_call(fn, repeats: int, *, min_sample_s: float = 2e-3, best: bool = False) -> float:
