@@ -50,8 +50,10 @@ def test_dry_run_shows_the_gpu_placement(capsys):
 
     assert main(["run", "--dry-run", "model.device='cuda'", "model.dtype='bfloat16'", "runtime.gpus=2",
                  "rollout.replicas=1"]) == 0
-    plan = json.loads(capsys.readouterr().out)["plan"]
+    out = json.loads(capsys.readouterr().out)
+    plan = out["plan"]
     assert (plan["device"], plan["num_gpus"], plan["trainer_gpus"], plan["generator_gpus"]) == ("cuda", 2, 1.0, 1.0)
+    assert "--gpus KIND:COUNT" in out["strategy"]["skipped"]  # not this CPU's strategy
     assert main(["run", "--dry-run"]) == 0  # CPU: no GPU asked for
     plan = json.loads(capsys.readouterr().out)["plan"]
     assert (plan["device"], plan["trainer_gpus"], plan["generator_gpus"]) == ("cpu", 0.0, 0.0)

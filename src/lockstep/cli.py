@@ -195,10 +195,13 @@ def _dry_run_strategy(spec) -> dict:
     """The planner's strategy for this machine; a config whose counts cannot fit raises PlanRefused.
     Where the planner lacks an input (a data-dependent prompt length, a model it cannot read) the
     strategy says so rather than failing a dry run that used to pass."""
-    from lockstep.planner import PlanRefused, plan_run
+    from lockstep.planner import GPUS, PlanRefused, plan_run
     from lockstep.planner.report import as_json
     from lockstep.planner.shapes import spec_workload
 
+    if spec.model.device == "cuda":  # this machine's planner calibrates its CPU, which a GPU run does not use
+        return {"skipped": "the strategy of a model.device = 'cuda' run: `lockstep plan [CONFIG] --gpus KIND:COUNT` "
+                           f"(kinds: {', '.join(GPUS)}) plans it for that GPU kind"}
     try:
         work = spec_workload(spec)
         strategy = plan_run(spec)
