@@ -159,8 +159,10 @@ def test_an_async_run_over_two_replicas_keeps_the_staleness_bound_and_exact_logp
 
 
 def run_and_kill_replica(tmp_path, model, *extra, role="generator1"):
-    """Run in a thread; after the second RL step, kill one generator replica while it samples (a
-    kill between its calls loses no group: the run only restarts it, see the test below)."""
+    """Run in a thread; after the second RL step, kill one generator replica in the middle of a
+    sample call. A kill between its calls loses no group (the run only restarts it), and a decode
+    call lasts tens of milliseconds, so the replica is first held (the fleet-wide pause's hold)
+    inside a call, where it cannot return before the kill lands."""
     from lockstep.runtime.plan import make_plan
     from lockstep.runtime.run import start_ray
 
@@ -176,9 +178,12 @@ def run_and_kill_replica(tmp_path, model, *extra, role="generator1"):
     while time.time() < deadline and not out:
         if (d / "metrics.jsonl").exists() and len(rl_records(d)) >= 2:
             actor = ray.get_actor(actor_name(d, role))
-            if ray.get(actor.stats.remote(), timeout=60)["sampling"]:
+            ray.get(actor.hold.remote(), timeout=60)
+            ray.get(actor.until_held.remote(30), timeout=60)  # held in a call, or not sampling
+            if ray.get(actor.stats.remote(), timeout=60)["held"]:
                 ray.kill(actor, no_restart=False)
                 break
+            ray.get(actor.release.remote(), timeout=60)
         time.sleep(0.01)
     thread.join(timeout=300)
     assert "summary" in out, "the run did not finish after the replica was killed"

@@ -376,7 +376,8 @@ class GeneratorActor:
         return {"version": self.sampler.policy_version, "busy_s": self.busy_s, "incarnation": self.incarnation,
                 "swap_latency_s_max": max(lat) if lat else 0.0, "swap_latency_s_last": lat[-1] if lat else 0.0,
                 "swaps": len(lat), "stalls": len(stalls), "stall_s_max": max(stalls) if stalls else 0.0,
-                "stall_s_sum": sum(stalls), "requests": self.requests, "sampling": self._sampling, "node": _node(),
+                "stall_s_sum": sum(stalls), "requests": self.requests, "sampling": self._sampling, "held": self._held,
+                "node": _node(),
                 "speculative": self.sampler.speculation_stats()}
 
 
