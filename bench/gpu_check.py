@@ -24,13 +24,12 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from dataclasses import dataclass  # noqa: E402
 
 from lockstep.engine import consistency  # noqa: E402
 from lockstep.engine.device import Compute  # noqa: E402
