@@ -52,7 +52,7 @@ def test_a_jsonl_file_is_read_line_by_line_within_the_budget(tmp_path):
     budget = 2 * MiB
     with pytest.raises(DataBudgetExceeded, match=f"more than {budget} bytes"):
         read_rows(path, SFT_FIELDS, budget_bytes=budget)
-    assert traced_peak(lambda: read_rows(path, SFT_FIELDS, budget_bytes=budget)) < 6 * MiB
+    assert traced_peak(lambda: read_rows(path, SFT_FIELDS, budget_bytes=budget)) < 6 * MiB  # 2.2 MB; read_text: 40 MB
 
 
 def test_the_count_is_of_python_objects_so_small_json_cannot_expand_unseen(tmp_path):
