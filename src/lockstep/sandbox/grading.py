@@ -93,6 +93,10 @@ def _ident(name) -> bool:
     return type(name) is str and len(name) <= 100 and name.isidentifier() and not keyword.iskeyword(name)
 
 
+def _dunder(name: str) -> bool:
+    return name.startswith("__") and name.endswith("__")
+
+
 def _names(answer) -> list | None:
     """The program's names from A's manifest frame; entries that are not well formed are dropped."""
     if answer is None or type(answer[0].get("names")) is not list:
@@ -100,6 +104,8 @@ def _names(answer) -> list | None:
     out = []
     for item in answer[0]["names"][:MAX_NAMES]:
         if type(item) is not list or len(item) != 2 or not _ident(item[0]) or type(item[1]) is not list:
+            continue
+        if _dunder(item[0]):  # __builtins__ and the like are the tests' namespace's own
             continue
         name, entry = item
         if not entry or entry[0] not in _KINDS or len(entry) != _KINDS[entry[0]]:

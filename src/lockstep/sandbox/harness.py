@@ -82,7 +82,8 @@ class Harness:
         self.ns = {"__name__": "__main__", "__builtins__": builtins}
         self.refs, self.exceptions, self._keep = {}, {}, []
         for name, entry in s["names"]:
-            if name not in vars(builtins) or name == s["entry_point"]:
+            dunder = name.startswith("__") and name.endswith("__")
+            if not dunder and (name not in vars(builtins) or name == s["entry_point"]):
                 self._bind(name, entry)
         self.current, self.next = None, 0
         self._request, self._reply = None, None

@@ -147,7 +147,8 @@ def decode(node, functions=None, *, build: bool = True, depth: int = 0):
         if tag == "d" and len(args) == 1 and type(args[0]) is list:
             return _dict(args[0], functions, build, depth)
         if tag == "r" and len(args) == 3 and all(type(a) is str and _HEX.fullmatch(a) for a in args):
-            return range(*(int(a, 16) for a in args)) if build else None
+            span = range(*(int(a, 16) for a in args))  # O(1) whatever the bounds; a step of 0 is refused
+            return span if build else None
         if tag == "@" and len(args) == 1 and type(args[0]) is str and functions is not None:
             return functions(args[0])
     except (ValueError, TypeError, UnicodeError, binascii.Error, OverflowError) as e:
