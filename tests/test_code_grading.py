@@ -182,7 +182,7 @@ def test_update_in_place_keeps_identities():
 
 
 def test_value_budget_follows_the_output_cap():
-    assert value_budget(Limits()) == 64 * 1024 - 1024
+    assert value_budget(Limits()) == 32 * 1024 - 256
     assert value_budget(Limits(output_kb=1024)) == MAX_VALUE_BYTES
     assert value_budget(Limits(output_kb=1)) == 256
 
@@ -413,6 +413,21 @@ def test_a_program_that_fails_to_load_passes_nothing():
 def test_tests_that_need_no_program_run_in_the_tests_sandbox():
     graded = run("x = 1\n", ["assert x == 1", "assert 1 + 1 == 2", "assert False", "import os\nassert os.getpid() > 0"])
     assert graded.passed == (True, True, False, True) and graded.reason == "failed"
+
+
+def test_what_crosses_fits_a_small_output_cap():
+    """Both sandboxes answer on stdout, capped at output_kb: a program with many names and large
+    values, many failing tests with long messages and calls near the value budget still end as
+    failed tests, never as an output violation; the entry point is named first."""
+    small = Limits(wall_s=3, cpu_s=2, memory_mb=256, output_kb=2)
+    program = "".join(f"def f{i}_{'x' * 40}(a):\n    return a\n" for i in range(300))
+    program += "TABLE = list(range(10000))\ndef echo(a):\n    return a\n"
+    tests = [f"assert False, {'m' * 400!r}" for _ in range(30)]
+    tests += [f"assert echo({'y' * (value_budget(small) - 64)!r}) == 1", "assert echo([1] * 10000) == 1",
+              "assert echo(2) == 2"]
+    graded = run(program, tests, entry_point="echo", limits=small)
+    assert graded.reason == "failed" and graded.passed == (False,) * 32 + (True,), graded.reason
+    assert "bytes of data" in graded.details[31]
 
 
 # -- a hostile program against the grader's code in its own interpreter -----------------------------------

@@ -59,25 +59,25 @@ def _entry(value, enc: Encoder):
         return ["exc", _base(value)]
     if callable(value):
         return ["fn"]
-    left = enc.left
-    try:
-        return ["val", enc.encode(value)]
-    except NotPlain:  # not plain (or over the budget): not visible to the tests
-        enc.left = left
-        return None
+    return ["val", enc.encode(value)]
 
 
-def manifest(ns: dict, budget: int) -> None:
-    """Report the program's top-level names (dunder names excepted)."""
+def manifest(ns: dict, budget: int, entry_point: str = "") -> None:
+    """Report the program's top-level names (dunder names excepted), the entry point first, within
+    `budget` bytes: a value that does not fit, or is not plain, is left out (invisible to the tests)."""
     enc, names = Encoder(budget), []
-    for name, value in list(ns.items()):
+    items = sorted(ns.items(), key=lambda item: item[0] != entry_point)
+    for name, value in items:
         if len(names) >= MAX_NAMES:
             break
         if type(name) is not str or not name.isidentifier() or (name.startswith("__") and name.endswith("__")):
             continue
-        entry = _entry(value, enc)
-        if entry is not None:
-            names.append([name, entry])
+        left = enc.left
+        try:
+            enc.spend(len(name) + 16)
+            names.append([name, _entry(value, enc)])
+        except NotPlain:
+            enc.left = left
     _emit({"names": names})
 
 

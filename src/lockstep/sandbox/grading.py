@@ -47,8 +47,8 @@ _HARNESS = (_HERE / "harness.py").read_text()
 
 MAX_VALUE_BYTES = 128 << 10
 """Most JSON bytes of plain data that cross in one call (arguments, or result and arguments after),
-or in the program's top-level values; less when `limits.output_kb` is smaller (A answers on its
-stdout). Past it the call fails its test with a message saying so."""
+or in the program's top-level names and values; at most half of `limits.output_kb` (both sandboxes
+answer on their stdout, which that caps). Past it the call fails its test, saying so."""
 MAX_OUT_CHARS = 16 << 10
 """Most characters of a call's own output forwarded to the test (print-checking tests)."""
 MAX_NAMES = 1000
@@ -58,7 +58,7 @@ _KINDS = {"fn": 1, "exc": 2, "mod": 2, "val": 2}
 
 
 def value_budget(limits: Limits) -> int:
-    return max(256, min(MAX_VALUE_BYTES, (limits.output_kb << 10) - 1024))
+    return max(128, min(MAX_VALUE_BYTES, (limits.output_kb << 10) // 2 - 256))
 
 
 def _install(module: str, source: str, then: str) -> str:
@@ -151,7 +151,7 @@ class _Run:
             return self.fail_rest(_hard(verdict), f"the program failed: {verdict.reason} {verdict.error}")
         verdict = await self.a.cell(_install("_lockstep_callee", _PLAIN + "\n" + _CALLEE,
                                              f"__import__('sys').modules['_lockstep_callee']"
-                                             f".manifest(globals(), {self.budget})"))
+                                             f".manifest(globals(), {self.budget}, {self.entry_point!r})"))
         names = _names(_frame(verdict.stdout, FRAME, self.budget)) if verdict.ok else None
         if names is None:
             return self.fail_rest(_hard(verdict), "the program's interpreter did not name its functions")
@@ -159,7 +159,7 @@ class _Run:
         if self.entry_point and self.entry_point not in self.functions:
             return self.fail_rest("missing_entry_point", f"the program defines no function {self.entry_point}")
         setup = {"nonce": self.nonce, "wall_s": self.limits.wall_s, "budget": self.budget, "names": names,
-                 "entry_point": self.entry_point}
+                 "entry_point": self.entry_point, "out_cap": self.limits.output_kb << 10}
         cells = [_install("_lockstep_harness", _PLAIN + "\n" + _HARNESS,
                           f"H = __import__('sys').modules['_lockstep_harness'].Harness({_b64(setup)!r})")]
         chunk: list[str] = []

@@ -23,7 +23,7 @@ Protocol (one call of `step` per cell): `step(reply, a_wall_s)` hands the relaye
 pending call (base64 JSON, or None) to the test waiting for it, then runs tests until one calls the
 program, all are done, the current test has used its `wall_s` (its own time here plus its calls'
 time in A, `a_wall_s` each), or this cell has run CELL_SHARE of `wall_s` (the sandbox's own wall
-clock then still has room). It writes {"state": "call" | "done" | "timeout" | "yield",
+clock then still has room), or its results fill a quarter of the sandbox's output cap. It writes {"state": "call" | "done" | "timeout" | "yield",
 "results": [[test index, passed, detail]], "call": {"fn", "args", "kwargs"} | None}.
 """
 
@@ -78,6 +78,8 @@ class Harness:
     def __init__(self, setup: str):
         s = json.loads(base64.b64decode(setup))
         self.nonce, self.wall_s, self.budget = s["nonce"], float(s["wall_s"]), int(s["budget"])
+        # What one report may hold besides a call's arguments (stdout is capped at out_cap).
+        self.results_cap, self.detail_cap = s["out_cap"] // 4, min(MAX_DETAIL, s["out_cap"] // 8)
         self.tests: list[str] = []
         self.ns = {"__name__": "__main__", "__builtins__": builtins}
         self.refs, self.exceptions, self._keep = {}, {}, []
@@ -214,7 +216,7 @@ class Harness:
                 if self.next >= len(self.tests):
                     state = "done"
                     break
-                if time.monotonic() >= cell_end:
+                if time.monotonic() >= cell_end or len(json.dumps(results)) >= self.results_cap:
                     state = "yield"
                     break
                 self.current, self.next = _Test(self.next), self.next + 1
@@ -225,7 +227,7 @@ class Harness:
             if fired:
                 self._wake.clear()
                 if test.finished:
-                    results.append([test.index, test.passed, test.detail[:MAX_DETAIL]])
+                    results.append([test.index, test.passed, test.detail[:self.detail_cap]])
                     self.current = None
                 elif self._request is not None:
                     state = "call"

@@ -59,7 +59,7 @@ class Encoder:
     def __init__(self, budget: int, refs: dict | None = None):
         self.budget, self.left, self.refs = budget, budget, refs or {}
 
-    def _spend(self, n: int) -> None:
+    def spend(self, n: int) -> None:
         self.left -= n
         if self.left < 0:
             raise NotPlain(f"more than {self.budget} bytes of data")
@@ -67,7 +67,7 @@ class Encoder:
     def encode(self, value, depth: int = 0):
         if depth > MAX_DEPTH:
             raise NotPlain(f"nested more than {MAX_DEPTH} deep")
-        self._spend(8)
+        self.spend(8)
         t = type(value)
         if value is None:
             return ["N"]
@@ -75,18 +75,18 @@ class Encoder:
             return ["b", value]
         if t is int:
             h = hex(value)
-            self._spend(len(h))
+            self.spend(len(h))
             return ["i", h]
         if t is float:
             return ["f", value.hex()]
         if t is complex:
             return ["c", value.real.hex(), value.imag.hex()]
         if t is str:
-            self._spend(len(json.dumps(value)))
+            self.spend(len(json.dumps(value)))
             return ["s", value]
         if t is bytes or t is bytearray:
             text = base64.b64encode(value).decode("ascii")
-            self._spend(len(text))
+            self.spend(len(text))
             return ["y" if t is bytes else "Y", text]
         if t in _SEQ_TAGS:
             return [_SEQ_TAGS[t], [self.encode(x, depth + 1) for x in value]]
