@@ -9,6 +9,7 @@ this sandbox (checked by plain.check), and the verdict is decided in the tests' 
 receives nothing else. A forged frame is no more than a function returning that value.
 
 Answers, each on stdout after plain.FRAME, as JSON:
+  load     -> runs the program, then answers as manifest
   manifest -> {"names": [[name, ["fn"] | ["exc", builtin base] | ["mod", module name] | ["val", value]], ...]}
   call     -> {"value": value} | {"raise": [type name, builtin base, message]} | {"refused": why},
               with "args": [value after the call | None] and "kwargs": [[key, value | None]] for
@@ -79,6 +80,18 @@ def manifest(ns: dict, budget: int, entry_point: str = "") -> None:
         except NotPlain:
             enc.left = left
     _emit({"names": names})
+
+
+def load(ns: dict, program: str, budget: int, entry_point: str) -> None:
+    """Run the program (base64) in `ns` as the launcher would run it as a cell, then report its names.
+    A SystemExit of status 0 ends the program, not the grading (as `python3 prog.py` would exit 0)."""
+    code = compile(base64.b64decode(program).decode("utf-8"), "<program>", "exec")
+    try:
+        exec(code, ns)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    manifest(ns, budget, entry_point)
 
 
 def _message(exc) -> str:

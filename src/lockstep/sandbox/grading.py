@@ -24,11 +24,14 @@ What a test's time is: B's own time on it plus the wall time of the calls it mad
 B's. A timeout, a sandbox limit or a crash of either interpreter fails the test it happened in and
 every test after it, with the reason counted as before (timeout, violation, crash).
 
-Each grading takes two sandboxes from the pool (sandbox/pool.py), A and B, and destroys both.
+Each grading takes two sandboxes from the pool (sandbox/pool.py), A and B, and destroys both. B is
+set up (the harness compiled, the tests handed over) while A loads the program, so the second
+sandbox adds little to a grading's latency; its cost is machine CPU (one more sandbox started).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import keyword
@@ -132,6 +135,7 @@ class _Run:
         self.passed = [False] * len(self.tests)
         self.details = [""] * len(self.tests)
         self.functions: set[str] = set()
+        self.names = ""
 
     def result(self, reason: str = "") -> Graded:
         if not reason:
@@ -145,35 +149,46 @@ class _Run:
         return self.result(reason)
 
     async def load(self) -> Graded | None:
-        """Run the program in A and set B up with its names (a Graded when grading ends here)."""
-        verdict = await self.a.cell(self.program)
-        if not verdict.ok:
-            return self.fail_rest(_hard(verdict), f"the program failed: {verdict.reason} {verdict.error}")
-        verdict = await self.a.cell(_install("_lockstep_callee", _PLAIN + "\n" + _CALLEE,
-                                             f"__import__('sys').modules['_lockstep_callee']"
-                                             f".manifest(globals(), {self.budget}, {self.entry_point!r})"))
+        """Run the program in A while B is set up, then bind its names in B (a Graded when grading
+        ends here). The first step of B goes with the names (see run)."""
+        named, set_up = await asyncio.gather(self._load_program(), self._set_up_tests(), return_exceptions=True)
+        for outcome in (set_up, named):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        verdict = named
         names = _names(_frame(verdict.stdout, FRAME, self.budget)) if verdict.ok else None
         if names is None:
-            return self.fail_rest(_hard(verdict), "the program's interpreter did not name its functions")
+            why = f"{verdict.reason} {verdict.error}" if not verdict.ok else "it did not name its functions"
+            return self.fail_rest(_hard(verdict), f"the program failed: {why}")
         self.functions = {n for n, e in names if e[0] == "fn"}
         if self.entry_point and self.entry_point not in self.functions:
             return self.fail_rest("missing_entry_point", f"the program defines no function {self.entry_point}")
-        setup = {"nonce": self.nonce, "wall_s": self.limits.wall_s, "budget": self.budget, "names": names,
+        self.names = _b64(names)
+        return None
+
+    async def _load_program(self) -> Verdict:
+        """One cell of A: the callee, then the program (callee.load), then its names on stdout."""
+        program = base64.b64encode(self.program.encode("utf-8", "replace")).decode()
+        return await self.a.cell(_install("_lockstep_callee", _PLAIN + "\n" + _CALLEE,
+                                          f"__import__('sys').modules['_lockstep_callee'].load(globals(), "
+                                          f"{program!r}, {self.budget}, {self.entry_point!r})"))
+
+    async def _set_up_tests(self) -> None:
+        setup = {"nonce": self.nonce, "wall_s": self.limits.wall_s, "budget": self.budget,
                  "entry_point": self.entry_point, "out_cap": self.limits.output_kb << 10}
         cells = [_install("_lockstep_harness", _PLAIN + "\n" + _HARNESS,
                           f"H = __import__('sys').modules['_lockstep_harness'].Harness({_b64(setup)!r})")]
-        chunk: list[str] = []
-        for test in self.tests + [None]:
-            if test is None or (chunk and sum(map(len, chunk)) + len(test) > TESTS_CHUNK):
-                cells.append(f"H.add_tests({_b64(chunk)!r})")
-                chunk = []
-            if test is not None:
-                chunk.append(test)
+        size = 0
+        for test in self.tests:  # in the first cell while they fit, then in cells of TESTS_CHUNK
+            if size and size + len(test) > TESTS_CHUNK:
+                cells.append("")
+                size = 0
+            cells[-1] += f"\nH.add_tests({_b64([test])!r})"
+            size += len(test)
         for cell in cells:
             verdict = await self.b.cell(cell)
             if not verdict.ok:  # our own code, before any test ran: the sandbox is at fault, not the program
                 raise SandboxError(f"the tests' sandbox could not be set up: {verdict.reason} {verdict.error}")
-        return None
 
     async def relay(self, call: dict) -> tuple[str | None, float, str]:
         """A's answer to one call, checked, as B's reply: (reply, A's wall seconds, hard reason)."""
@@ -189,9 +204,10 @@ class _Run:
         return _b64(reply), verdict.wall_s, ""
 
     async def run(self) -> Graded:
-        reply, a_wall = None, 0.0
+        reply, a_wall, first = None, 0.0, f"H.bind({self.names!r})\n"
         while True:
-            verdict = await self.b.cell(f"H.step({reply!r}, {a_wall!r})")
+            verdict = await self.b.cell(f"{first}H.step({reply!r}, {a_wall!r})")
+            first = ""
             event = _frame(verdict.stdout, self.nonce, self.budget) if verdict.ok else None
             if event is None:
                 return self.fail_rest(_hard(verdict), f"the tests' interpreter stopped: {verdict.reason}")

@@ -19,7 +19,8 @@ whatever the test catches. Each test's verdict is decided here and written on fd
 that only this sandbox and the supervisor know; everything else written to stdout or stderr goes to
 a bounded sink.
 
-Protocol (one call of `step` per cell): `step(reply, a_wall_s)` hands the relayed answer of the
+Protocol: `Harness(setup)` and `add_tests(chunk)` while the program loads in A, `bind(names)` with
+the first step, then one call of `step` per cell: `step(reply, a_wall_s)` hands the relayed answer of the
 pending call (base64 JSON, or None) to the test waiting for it, then runs tests until one calls the
 program, all are done, the current test has used its `wall_s` (its own time here plus its calls'
 time in A, `a_wall_s` each), or this cell has run CELL_SHARE of `wall_s` (the sandbox's own wall
@@ -82,11 +83,7 @@ class Harness:
         self.results_cap, self.detail_cap = s["out_cap"] // 4, min(MAX_DETAIL, s["out_cap"] // 8)
         self.tests: list[str] = []
         self.ns = {"__name__": "__main__", "__builtins__": builtins}
-        self.refs, self.exceptions, self._keep = {}, {}, []
-        for name, entry in s["names"]:
-            dunder = name.startswith("__") and name.endswith("__")
-            if not dunder and (name not in vars(builtins) or name == s["entry_point"]):
-                self._bind(name, entry)
+        self.refs, self.exceptions, self._keep, self.entry_point = {}, {}, [], s["entry_point"]
         self.current, self.next = None, 0
         self._request, self._reply = None, None
         self._lock, self._wake, self._replied = threading.Lock(), threading.Event(), threading.Event()
@@ -96,6 +93,13 @@ class Harness:
         self.tests += json.loads(base64.b64decode(chunk))
 
     # -- the program's names ---------------------------------------------------------------------
+    def bind(self, names: str) -> None:
+        """Bind stand-ins for the program's names (base64 JSON of [name, entry] pairs, sandbox/callee.py)."""
+        for name, entry in json.loads(base64.b64decode(names)):
+            dunder = name.startswith("__") and name.endswith("__")
+            if not dunder and (name not in vars(builtins) or name == self.entry_point):
+                self._bind(name, entry)
+
     def _bind(self, name: str, entry: list) -> None:
         kind = entry[0]
         if kind == "fn":
