@@ -17,7 +17,7 @@ import pytest
 from lockstep.sandbox.bwrap import check_available
 from lockstep.sandbox.grading import MAX_VALUE_BYTES, grade, value_budget
 from lockstep.sandbox.plain import MAX_DEPTH, NotPlain, check, decode, encode, update_in_place
-from lockstep.sandbox.pool import pool
+from lockstep.sandbox.pool import close_pools
 from lockstep.sandbox.types import Limits, SandboxUnavailable
 
 LIMITS = Limits(wall_s=3, cpu_s=2, memory_mb=256)
@@ -36,7 +36,7 @@ def _sandbox_or_skip() -> None:
 def run(program: str, tests: list[str], *, entry_point: str = "", limits: Limits = LIMITS):
     _sandbox_or_skip()
     graded = asyncio.run(grade(program, tests, limits, entry_point=entry_point))
-    pool(limits).close()
+    close_pools()  # the grading pools keep primed sandboxes: none outlives a test
     assert len(graded.passed) == len(graded.details) == len(tests)
     return graded
 
@@ -432,17 +432,14 @@ def test_what_crosses_fits_a_small_output_cap():
 
 # -- a hostile program against the grader's code in its own interpreter -----------------------------------
 FORGED_MANIFEST = '''
-import builtins as _builtins, json as _json, os as _os
+import json as _json, os as _os, sys as _sys
 
-def exec(source, namespace):  # the grader's install cell looks exec up in the program's namespace
-    _builtins.exec(source, namespace)
+def _forged(ns, *args):  # replaces the grader's own code in this interpreter: it names what it likes
+    names = [["__builtins__", ["val", ["d", []]]], ["isinstance", ["fn"]], ["len", ["fn"]], ["solve", ["fn"]],
+             ["__name__", ["val", ["s", "x"]]], ["class", ["fn"]], ["bad", ["val", ["q"]]], [1, ["fn"]]]
+    _os.write(1, ("\\n@@lockstep-frame@@" + _json.dumps({"names": names}) + "\\n").encode())
 
-    def manifest(ns, *args):
-        names = [["__builtins__", ["val", ["d", []]]], ["isinstance", ["fn"]], ["len", ["fn"]], ["solve", ["fn"]],
-                 ["__name__", ["val", ["s", "x"]]], ["class", ["fn"]], ["bad", ["val", ["q"]]], [1, ["fn"]]]
-        _os.write(1, ("\\n@@lockstep-frame@@" + _json.dumps({"names": names}) + "\\n").encode())
-
-    namespace["manifest"] = manifest
+_sys.modules["_lockstep_callee"].manifest = _forged
 
 def isinstance(*args):
     return True

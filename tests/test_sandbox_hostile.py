@@ -342,11 +342,11 @@ def corpus(host) -> Corpus:
     results = _grade_all([code for _, code in jobs], PROBLEM, LIMITS)
     seconds = time.monotonic() - t0
     outcomes = {name: out for (name, _), out in zip(jobs, results)}
-    # The pool keeps started sandboxes for these limits: close them (and any a refill adds late),
-    # then give killed trees a moment to be reaped.
+    # The pools keep started sandboxes for these limits (grading's two kinds among them): close them
+    # (and any a refill adds late), then give killed trees a moment to be reaped.
     deadline = time.monotonic() + SETTLE_S
     while True:
-        pool(LIMITS).close()
+        close_pools()
         now = processes()
         left = leftovers(before, now, host.marker)
         if not left or time.monotonic() > deadline:
@@ -470,7 +470,7 @@ def test_grading_cannot_be_forged(host, name):
     """No test of an attack on the grading passes: the tests run in their own sandbox."""
     program, problem, _ = grading_attack(host, name)
     (out,) = _grade_all([program], problem, LIMITS)
-    pool(LIMITS).close()
+    close_pools()
     assert out.total == len(problem.tests) >= 1
     assert out.passed == 0, f"{name}: a wrong program passed {out.passed}/{out.total} tests ({out.reason})"
 
@@ -487,7 +487,7 @@ def test_grading_attack_wins_without_the_defence(host, name):
         return await judge(program, problem, LIMITS)
 
     out = asyncio.run(main())
-    pool(LIMITS).close()
+    close_pools()
     assert out.passed == out.total, f"{name}: the attack does not even win against the {control} judge: {out}"
 
 

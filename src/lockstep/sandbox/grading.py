@@ -24,9 +24,11 @@ What a test's time is: B's own time on it plus the wall time of the calls it mad
 B's. A timeout, a sandbox limit or a crash of either interpreter fails the test it happened in and
 every test after it, with the reason counted as before (timeout, violation, crash).
 
-Each grading takes two sandboxes from the pool (sandbox/pool.py), A and B, and destroys both. B is
-set up (the harness compiled, the tests handed over) while A loads the program, so the second
-sandbox adds little to a grading's latency; its cost is machine CPU (one more sandbox started).
+Each grading takes two sandboxes from the pools (sandbox/pool.py), A and B, and destroys both. The
+pools keep them primed (PRIME_A, PRIME_B: callee.py or harness.py already compiled in, before any
+program ran there) and B is handed the tests while A loads the program, so the second sandbox adds
+little to a grading's latency when the pools are full; its cost is CPU, one more sandbox started
+per grading (BENCHMARKS.md, "Grading code in two sandboxes").
 """
 
 from __future__ import annotations
@@ -60,16 +62,21 @@ TESTS_CHUNK = 256 << 10
 _KINDS = {"fn": 1, "exc": 2, "mod": 2, "val": 2}
 
 
-def value_budget(limits: Limits) -> int:
-    return max(128, min(MAX_VALUE_BYTES, (limits.output_kb << 10) // 2 - 256))
-
-
-def _install(module: str, source: str, then: str) -> str:
-    """A cell that runs `source` as module `module` (not in the cell's namespace), then `then`."""
+def _install(module: str, source: str) -> str:
+    """A cell that runs `source` as module `module` (not in the cell's namespace)."""
     blob = base64.b64encode(source.encode()).decode()
     return (f"__import__('sys').modules[{module!r}] = __import__('types').ModuleType({module!r})\n"
-            f"exec(__import__('base64').b64decode({blob!r}).decode(), "
-            f"__import__('sys').modules[{module!r}].__dict__)\n{then}")
+            f"exec(__import__('base64').b64decode({blob!r}).decode(), __import__('sys').modules[{module!r}].__dict__)")
+
+
+PRIME_A = _install("_lockstep_callee", _PLAIN + "\n" + _CALLEE)
+PRIME_B = _install("_lockstep_harness", _PLAIN + "\n" + _HARNESS)
+"""Cells that pooled sandboxes run before they are handed out (sandbox/pool.py's `prime`): the
+callee or the harness compiled in a sandbox that has run nothing else, off a grading's latency."""
+
+
+def value_budget(limits: Limits) -> int:
+    return max(128, min(MAX_VALUE_BYTES, (limits.output_kb << 10) // 2 - 256))
 
 
 def _b64(obj) -> str:
@@ -130,7 +137,7 @@ class _Run:
 
     def __init__(self, program: str, tests: Sequence[str], limits: Limits, entry_point: str):
         self.program, self.tests, self.limits, self.entry_point = program, list(tests), limits, entry_point
-        self.a, self.b = Session(limits), Session(limits)
+        self.a, self.b = Session(limits, PRIME_A), Session(limits, PRIME_B)
         self.budget, self.nonce = value_budget(limits), secrets.token_hex(16)
         self.passed = [False] * len(self.tests)
         self.details = [""] * len(self.tests)
@@ -169,15 +176,13 @@ class _Run:
     async def _load_program(self) -> Verdict:
         """One cell of A: the callee, then the program (callee.load), then its names on stdout."""
         program = base64.b64encode(self.program.encode("utf-8", "replace")).decode()
-        return await self.a.cell(_install("_lockstep_callee", _PLAIN + "\n" + _CALLEE,
-                                          f"__import__('sys').modules['_lockstep_callee'].load(globals(), "
-                                          f"{program!r}, {self.budget}, {self.entry_point!r})"))
+        return await self.a.cell(f"__import__('sys').modules['_lockstep_callee'].load(globals(), "
+                                 f"{program!r}, {self.budget}, {self.entry_point!r})")
 
     async def _set_up_tests(self) -> None:
         setup = {"nonce": self.nonce, "wall_s": self.limits.wall_s, "budget": self.budget,
                  "entry_point": self.entry_point, "out_cap": self.limits.output_kb << 10}
-        cells = [_install("_lockstep_harness", _PLAIN + "\n" + _HARNESS,
-                          f"H = __import__('sys').modules['_lockstep_harness'].Harness({_b64(setup)!r})")]
+        cells = [f"H = __import__('sys').modules['_lockstep_harness'].Harness({_b64(setup)!r})"]
         size = 0
         for test in self.tests:  # in the first cell while they fit, then in cells of TESTS_CHUNK
             if size and size + len(test) > TESTS_CHUNK:
