@@ -9,6 +9,7 @@ tests/test_sandbox_hostile.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 
@@ -16,7 +17,7 @@ import pytest
 
 from lockstep.sandbox.bwrap import check_available
 from lockstep.sandbox.grading import MAX_VALUE_BYTES, grade, value_budget
-from lockstep.sandbox.plain import MAX_DEPTH, NotPlain, check, decode, encode, update_in_place
+from lockstep.sandbox.plain import MAX_DEPTH, Encoder, NotPlain, check, decode, encode, update_in_place
 from lockstep.sandbox.pool import close_pools
 from lockstep.sandbox.types import Limits, SandboxUnavailable
 
@@ -119,6 +120,16 @@ def test_what_is_not_plain_is_refused(name):
         encode(NOT_PLAIN[name], BUDGET)
 
 
+@pytest.mark.parametrize("value", PLAIN + [[1.5e300] * 100, [complex(-1e-300, 2)] * 50, [range(-2 ** 70, 2 ** 70)] * 30,
+                                   ["\x01\ud800" * 50] * 10, {i: -i for i in range(200)}],
+                         ids=lambda v: type(v).__name__)
+def test_the_budget_bounds_the_json(value):
+    """What the encoder charges is at least the JSON it makes (the frames must fit output_kb)."""
+    enc = Encoder(1 << 20)
+    node = enc.encode(value)
+    assert len(json.dumps(node)) <= (1 << 20) - enc.left
+
+
 def test_depth_and_size_are_bounded():
     deep = []
     for _ in range(MAX_DEPTH + 2):
@@ -160,9 +171,11 @@ def test_functions_travel_by_name_only_where_allowed():
     proxy = lambda: None  # noqa: E731
     node = encode([1, proxy], BUDGET, refs={id(proxy): "f"})
     assert node == ["l", [["i", "0x1"], ["@", "f"]]]
-    check(node, functions=True)
+    check(node, {"f"})
     with pytest.raises(NotPlain):
         check(node)  # results and values never carry functions
+    with pytest.raises(NotPlain):
+        check(node, {"g"})  # only the program's own functions
     assert decode(node, lambda name: name.upper()) == [1, "F"]
 
 
@@ -359,7 +372,7 @@ CLOSED_TESTS = {
     "a method of an object": ("assert make(1).get() == 1", "not plain data"),
     "SystemExit, caught": ("try:\n    leave()\nexcept BaseException:\n    pass", "exits"),
     "too much data, caught": ("try:\n    big()\nexcept BaseException:\n    pass", "bytes of data"),
-    "an argument spoiled": ("xs = []\ntry:\n    spoil(xs)\nexcept BaseException:\n    pass", "no longer plain"),
+    "an argument spoiled": ("xs = []\ntry:\n    spoil(xs)\nexcept BaseException:\n    pass", "no longer plain data"),
     "an int subclass, caught": ("try:\n    sub()\nexcept BaseException:\n    pass", "not plain data"),
     "a non-plain constant": ("assert CONFIG is not None", "NameError"),
     "a lambda argument, caught": ("try:\n    make(lambda: 1)\nexcept BaseException:\n    pass", "not plain data"),

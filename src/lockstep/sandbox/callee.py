@@ -25,7 +25,7 @@ import sys
 import types
 
 if __name__ != "_lockstep_callee":  # imported by the package (tests), not run in a sandbox
-    from lockstep.sandbox.plain import FRAME, MUTABLE, Encoder, NotPlain, decode  # noqa: F401
+    from lockstep.sandbox.plain import FRAME, MUTABLE, Encoder, NotPlain, decode, dumps  # noqa: F401
 
 MAX_NAMES = 1000
 """Top-level names reported at most (the rest are not visible to the tests)."""
@@ -40,7 +40,7 @@ def _emit(obj) -> None:
         sys.stdout.flush()  # the function's own output first: it is forwarded to the tests
     except Exception:  # noqa: BLE001 - the program may have replaced or closed its streams
         pass
-    data = (FRAME + json.dumps(obj) + "\n").encode("ascii")
+    data = (FRAME + dumps(obj) + "\n").encode("ascii")
     while data:
         data = data[os.write(1, data):]
 
@@ -129,12 +129,12 @@ def call(ns: dict, request: str) -> None:
     try:
         answer = {"value": enc.encode(fn(*args, **kwargs))}
     except NotPlain as e:
-        answer = {"refused": f"{name} returned: {e}"}
+        answer = {"refused": f"{name}(): result refused: {e}"}
     except BaseException as e:  # noqa: BLE001 - the function's exception is its answer (a generator's too)
         answer = _raised(e)
     try:
         answer["args"] = [enc.encode(a) if type(a) in MUTABLE else None for a in args]
         answer["kwargs"] = [[k, enc.encode(v) if type(v) in MUTABLE else None] for k, v in kwargs.items()]
     except NotPlain as e:
-        answer = {"refused": f"{name} changed an argument so that it is no longer plain: {e}"}
+        answer = {"refused": f"{name}(): an argument is no longer plain data after the call: {e}"}
     _emit(answer)

@@ -41,7 +41,8 @@ import secrets
 from pathlib import Path
 from typing import Sequence
 
-from lockstep.sandbox.plain import FRAME, NotPlain, check
+from lockstep.sandbox.callee import MAX_NAMES
+from lockstep.sandbox.plain import FRAME, NotPlain, check, dumps
 from lockstep.sandbox.pool import Session
 from lockstep.sandbox.types import Graded, Limits, SandboxError, Verdict
 
@@ -56,7 +57,6 @@ or in the program's top-level names and values; at most half of `limits.output_k
 answer on their stdout, which that caps). Past it the call fails its test, saying so."""
 MAX_OUT_CHARS = 16 << 10
 """Most characters of a call's own output forwarded to the test (print-checking tests)."""
-MAX_NAMES = 1000
 TESTS_CHUNK = 256 << 10
 """Tests are handed to B in cells of at most this many bytes (a cell is at most 1 MiB)."""
 _KINDS = {"fn": 1, "exc": 2, "mod": 2, "val": 2}
@@ -80,7 +80,7 @@ def value_budget(limits: Limits) -> int:
 
 
 def _b64(obj) -> str:
-    return base64.b64encode(json.dumps(obj).encode()).decode()
+    return base64.b64encode(dumps(obj).encode()).decode()
 
 
 def _hard(verdict: Verdict) -> str:
@@ -254,11 +254,11 @@ class _Run:
             return None
         try:
             for node in args:
-                check(node, functions=True)
+                check(node, self.functions)
             for pair in kwargs:
                 if type(pair) is not list or len(pair) != 2 or not _ident(pair[0]):
                     return None
-                check(pair[1], functions=True)
+                check(pair[1], self.functions)
         except NotPlain:
             return None
         return {"fn": call["fn"], "args": args, "kwargs": kwargs}

@@ -38,7 +38,7 @@ import threading
 import time
 
 if __name__ != "_lockstep_harness":  # imported by the package (tests), not run in a sandbox
-    from lockstep.sandbox.plain import MUTABLE, Encoder, NotPlain, decode, update_in_place  # noqa: F401
+    from lockstep.sandbox.plain import MUTABLE, Encoder, NotPlain, decode, dumps, update_in_place  # noqa: F401
 
 CELL_SHARE = 0.8
 MAX_DETAIL = 300
@@ -156,7 +156,7 @@ class Harness:
             request = {"fn": name, "args": [enc.encode(a) for a in args],
                        "kwargs": [[k, enc.encode(v)] for k, v in kwargs.items()]}
         except NotPlain as e:
-            self._refuse(test, f"{name}(): an argument {e}; only plain data is passed to the program")
+            self._refuse(test, f"{name}(): argument refused, only plain data is passed to the program: {e}")
         with self._lock:
             self._replied.clear()
             self._request = request
@@ -166,23 +166,26 @@ class Harness:
         if "refused" in reply:
             self._refuse(test, reply["refused"])
         try:
-            if reply.get("out"):
-                sys.stdout.write(reply["out"])
-            for old, new in zip(args, reply["args"]):
-                self._update(old, new)
-            for (_, old), (_, new) in zip(kwargs.items(), reply["kwargs"]):
-                self._update(old, new)
-            if "raise" in reply:
-                type_name, base, message = reply["raise"]
-                cls = self._exception_class(type_name, base)
-                if cls is None:
-                    self._refuse(test, f"{name}() raised {type_name}: a function that exits passes no test")
-                exc = cls(message)
-            else:
-                return decode(reply["value"])
+            return self._answer(test, name, args, kwargs, reply)
         except NotPlain as e:
             self._refuse(test, f"{name}(): {e}")
-        raise exc
+
+    def _answer(self, test, name: str, args: tuple, kwargs: dict, reply: dict):
+        """What a call gives the test: its output written, its arguments updated, then its value
+        returned or its exception raised."""
+        if reply.get("out"):
+            sys.stdout.write(reply["out"])
+        for old, new in zip(args, reply["args"]):
+            self._update(old, new)
+        for (_, old), (_, new) in zip(kwargs.items(), reply["kwargs"]):
+            self._update(old, new)
+        if "raise" not in reply:
+            return decode(reply["value"])
+        type_name, base, message = reply["raise"]
+        cls = self._exception_class(type_name, base)
+        if cls is None:
+            self._refuse(test, f"{name}() raised {type_name}: a function that exits passes no test")
+        raise cls(message)
 
     @staticmethod
     def _update(old, new) -> None:
@@ -220,7 +223,7 @@ class Harness:
                 if self.next >= len(self.tests):
                     state = "done"
                     break
-                if time.monotonic() >= cell_end or len(json.dumps(results)) >= self.results_cap:
+                if time.monotonic() >= cell_end or len(dumps(results)) >= self.results_cap:
                     state = "yield"
                     break
                 self.current, self.next = _Test(self.next), self.next + 1
@@ -242,7 +245,7 @@ class Harness:
         self._emit({"state": state, "results": results, "call": self._request if state == "call" else None})
 
     def _emit(self, event) -> None:
-        data = (self.nonce + json.dumps(event) + "\n").encode("ascii")
+        data = (self.nonce + dumps(event) + "\n").encode("ascii")
         while data:
             data = data[os.write(1, data):]
 

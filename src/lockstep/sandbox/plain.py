@@ -47,6 +47,11 @@ MUTABLE = (list, dict, set, bytearray)
 can be tested."""
 
 
+def dumps(obj) -> str:
+    """Compact JSON, as every frame and message between the sandboxes is written."""
+    return json.dumps(obj, separators=(",", ":"))
+
+
 class NotPlain(ValueError):
     """A value that is not plain data, or a malformed wire form; the message says what."""
 
@@ -62,38 +67,44 @@ class Encoder:
     def spend(self, n: int) -> None:
         self.left -= n
         if self.left < 0:
-            raise NotPlain(f"more than {self.budget} bytes of data")
+            raise NotPlain(f"more than {self.budget} bytes of data (the cap follows env.sandbox.output_kb)")
+
+    def _hex(self, text: str) -> str:
+        self.spend(len(text) + 4)  # its quotes and separator
+        return text
 
     def encode(self, value, depth: int = 0):
         if depth > MAX_DEPTH:
             raise NotPlain(f"nested more than {MAX_DEPTH} deep")
-        self.spend(8)
+        self.spend(12)  # ["t", ...] and a separator
         t = type(value)
         if value is None:
             return ["N"]
         if t is bool:
             return ["b", value]
         if t is int:
-            h = hex(value)
-            self.spend(len(h))
-            return ["i", h]
+            return ["i", self._hex(hex(value))]
         if t is float:
-            return ["f", value.hex()]
+            return ["f", self._hex(value.hex())]
         if t is complex:
-            return ["c", value.real.hex(), value.imag.hex()]
+            return ["c", self._hex(value.real.hex()), self._hex(value.imag.hex())]
         if t is str:
-            self.spend(len(json.dumps(value)))
+            self.spend(len(json.dumps(value)) + 2)
             return ["s", value]
         if t is bytes or t is bytearray:
             text = base64.b64encode(value).decode("ascii")
-            self.spend(len(text))
+            self.spend(len(text) + 4)
             return ["y" if t is bytes else "Y", text]
         if t in _SEQ_TAGS:
             return [_SEQ_TAGS[t], [self.encode(x, depth + 1) for x in value]]
         if t is dict:
-            return ["d", [[self.encode(k, depth + 1), self.encode(v, depth + 1)] for k, v in value.items()]]
+            pairs = []
+            for k, v in value.items():
+                self.spend(4)  # the pair's brackets and separator
+                pairs.append([self.encode(k, depth + 1), self.encode(v, depth + 1)])
+            return ["d", pairs]
         if t is range:
-            return ["r", hex(value.start), hex(value.stop), hex(value.step)]
+            return ["r", self._hex(hex(value.start)), self._hex(hex(value.stop)), self._hex(hex(value.step))]
         if t in _ITERATORS:
             return ["g", [self.encode(x, depth + 1) for x in value]]
         if id(value) in self.refs:
@@ -176,9 +187,14 @@ def _dict(pairs: list, functions, build: bool, depth: int):
     return out
 
 
-def check(node, functions: bool = False) -> None:
-    """Raise NotPlain unless `node` is a well-formed wire form (by-name functions allowed or not)."""
-    decode(node, (lambda name: None) if functions else None, build=False)
+def check(node, functions=()) -> None:
+    """Raise NotPlain unless `node` is a well-formed wire form whose by-name functions (if any) are
+    among `functions`."""
+    def known(name):
+        if name not in functions:
+            raise NotPlain(f"{name[:80]!r} is not a function of the program")
+
+    decode(node, known, build=False)
 
 
 def update_in_place(old, new, depth: int = 0) -> bool:
