@@ -357,6 +357,9 @@ def make(v):
     return Box(v)
 def leave():
     raise SystemExit(0)
+def stop(x):
+    raise StopIteration
+import cmath as math
 def big():
     return "x" * 10 ** 6
 def spoil(xs):
@@ -376,6 +379,8 @@ CLOSED_TESTS = {
     "an int subclass, caught": ("try:\n    sub()\nexcept BaseException:\n    pass", "not plain data"),
     "a non-plain constant": ("assert CONFIG is not None", "NameError"),
     "a lambda argument, caught": ("try:\n    make(lambda: 1)\nexcept BaseException:\n    pass", "not plain data"),
+    "StopIteration ending a map": ("assert all(map(stop, [1, 2])) and not list(filter(stop, [3]))", "StopIteration"),
+    "a module under an alias": ("assert math.sqrt(-4) == 2j", "NameError"),
 }
 
 

@@ -11,11 +11,12 @@ against stand-ins for the program's top-level names (sandbox/callee.py reports t
     the built-in class of that name or a plain class named after it (deriving from its nearest
     built-in base);
   - a plain value is a copy; a module is this interpreter's own import of the same standard-library
-    module; an exception class is a plain class of that name;
+    module, bound only under its own name (not `import cmath as math`); an exception class is a
+    plain class of that name;
   - a name that would hide a builtin is not bound (so `bool = lambda *a: True` changes nothing
     here), except the problem's entry point.
-A call whose answer is unusable (not plain data, a function that exits, no answer) fails its test
-whatever the test catches. Each test's verdict is decided here and written on fd 1 after a nonce
+A call whose answer is unusable (not plain data, a function that exits or raises StopIteration,
+no answer) fails its test whatever the test catches. Each test's verdict is decided here and written on fd 1 after a nonce
 that only this sandbox and the supervisor know; everything else written to stdout or stderr goes to
 a bounded sink.
 
@@ -108,7 +109,7 @@ class Harness:
             cls = self._exception_class(name, entry[1])
             if cls is not None:
                 self.ns[name] = cls
-        elif kind == "mod" and _stdlib(entry[1]):
+        elif kind == "mod" and _stdlib(entry[1]) and name in entry[1].split("."):  # never under an alias
             try:
                 self.ns[name] = importlib.import_module(entry[1])
             except Exception:  # noqa: BLE001 - not importable here: the name stays unbound
@@ -131,7 +132,8 @@ class Harness:
         return proxy
 
     def _exception_class(self, name: str, base: str):
-        """The class that stands for the program's exception `name` (None: one that exits)."""
+        """The class that stands for the program's exception `name` (None: one whose call fails its
+        test whatever the test catches)."""
         if name not in self.exceptions:
             own = getattr(builtins, name, None)
             if isinstance(own, type) and issubclass(own, BaseException):
@@ -140,7 +142,10 @@ class Harness:
                 parent = getattr(builtins, base, None)
                 parent = parent if isinstance(parent, type) and issubclass(parent, BaseException) else Exception
                 cls = type(name, (parent,), {"__module__": "program"})
-            self.exceptions[name] = cls if issubclass(cls, Exception) else None
+            # One that exits, and StopIteration, which would silently end the test's map() or
+            # filter() (`assert all(map(f, cases))` passing with no work; PEP 479's reason).
+            usable = issubclass(cls, Exception) and not issubclass(cls, (StopIteration, StopAsyncIteration))
+            self.exceptions[name] = cls if usable else None
         return self.exceptions[name]
 
     # -- a call, from a test's thread ------------------------------------------------------------
@@ -184,7 +189,8 @@ class Harness:
         type_name, base, message = reply["raise"]
         cls = self._exception_class(type_name, base)
         if cls is None:
-            self._refuse(test, f"{name}() raised {type_name}: a function that exits passes no test")
+            self._refuse(test, f"{name}() raised {type_name}: a function that exits or raises StopIteration "
+                               f"passes no test")
         raise cls(message)
 
     @staticmethod
