@@ -24,8 +24,9 @@ tests) can make a test pass. What the tests see of the program's top-level names
     the call printed is written to the tests' stdout (so `contextlib.redirect_stdout` checks
     work); an exception it raised is raised in the test as the built-in class of that name (or a
     plain class named after it, deriving from its nearest built-in base), so `try/except` tests work;
-  - plain values as copies; imported standard-library modules as the tests' own imports of them;
-    exception classes as plain classes of the same name;
+  - plain values as copies; imported standard-library modules as the tests' own imports of them
+    (under their own name only: not `import cmath as math`); exception classes as plain classes of
+    the same name;
   - names that would hide a builtin are not bound (the problem's entry point excepted); the
     program's own functions can be passed to its functions (they travel by name).
 So every form of test works: `assert f(x) == y`, bare `assert f(x)`, `<`, `!=`, `is`,
@@ -33,7 +34,8 @@ So every form of test works: `assert f(x) == y`, bare `assert f(x)`, `<`, `!=`, 
 Forms that fail (never pass): a result or argument that is not plain data (an instance of the
 program's class, a lambda passed to the program), calling methods of the program's objects, names
 the program defines that are neither callables, plain values nor standard-library modules, and a
-function that exits (SystemExit) or returns more than grading.MAX_VALUE_BYTES of data. Identity is
+function that exits (SystemExit), raises StopIteration (which would silently end a test's map()),
+or returns more than grading.MAX_VALUE_BYTES of data. Identity is
 not kept (values are copies), and a test changing a copied top-level value does not change the
 program's. A test's time is its own plus its calls' (at most `wall_s`); a timeout or limit in
 either sandbox, or the program's interpreter dying, fails that test and the ones after it.
