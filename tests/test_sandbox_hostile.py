@@ -534,22 +534,26 @@ def test_limits_validation_is_clear():
 
 # -- the shipped problems ------------------------------------------------------------------------------
 def test_shipped_problems_grade_right():
-    """Every shipped problem's reference solution gets reward 1; a stub of the entry point less."""
+    """Every shipped problem's reference solution gets reward 1; wrong programs (the entry point
+    returning None, or its first argument) less."""
     _sandbox_or_skip()
     rows = [json.loads(line) for line in SHIPPED.read_text().splitlines() if line.strip()]
     problems = [Problem(r["prompt"], tuple(r["tests"]), r.get("entry_point", ""), r["solution"]) for r in rows]
     assert len(problems) >= 40 and all(p.entry_point and p.solution for p in problems)
     limits = Limits(wall_s=10, cpu_s=5)
 
+    stubs = ("def {}(*a, **k):\n    return None\n", "def {}(*a, **k):\n    return a[0] if a else None\n")
+
     async def main():
         good = [run_tests(p.solution, p, limits) for p in problems]
-        stub = [run_tests(f"def {p.entry_point}(*a, **k):\n    return None\n", p, limits) for p in problems]
-        return await asyncio.gather(*good, *stub)
+        wrong = [run_tests(s.format(p.entry_point), p, limits) for s in stubs for p in problems]
+        return await asyncio.gather(*good, *wrong)
 
     results = asyncio.run(main())
+    close_pools()
     good, stub = results[:len(problems)], results[len(problems):]
     wrong = [(p.entry_point, o) for p, o in zip(problems, good) if o.passed != o.total]
     assert not wrong, f"reference solutions not passing: {wrong}"
     assert all(o.reason == "ok" for o in good)
-    passing_stubs = [(p.entry_point, o) for p, o in zip(problems, stub) if o.passed >= o.total]
+    passing_stubs = [(p.entry_point, o) for p, o in zip(problems * len(stubs), stub) if o.passed >= o.total]
     assert not passing_stubs, f"stubs passing every test: {passing_stubs}"
