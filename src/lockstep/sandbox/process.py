@@ -178,7 +178,8 @@ class Sandbox:
         return total
 
     def _left_host_root(self, init: int) -> bool:
-        """Whether the sandbox's init has its own root yet (then for good: cached)."""
+        """Whether the sandbox's init has its own root yet (then for good: cached in _pivoted, set here
+        rather than in __init__ to keep this addition apart)."""
         if getattr(self, "_pivoted", None) != init:
             try:
                 root, host = os.stat(f"/proc/{init}/root"), os.stat("/")
