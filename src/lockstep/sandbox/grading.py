@@ -20,7 +20,10 @@ plain value, which is what an honest function does; the tests judge that value. 
 sees the tests either (only the arguments of its calls).
 
 What a test's time is: B's own time on it plus the wall time of the calls it made in A; past
-`limits.wall_s` it is a timeout. A call is also cut at `wall_s` by A's sandbox, as is each cell of
+`limits.wall_s` it is a timeout. The relay between them and waits for a free sandbox slot
+(pool.MAX_RUNNING) are not counted, so a burst of gradings does not time honest tests out; a test
+that calls without end is still stopped (its calls' own time adds up; about 3x wall_s of real
+time under load in tests/test_code_grading.py). A call is also cut at `wall_s` by A's sandbox, as is each cell of
 B's. A timeout, a sandbox limit or a crash of either interpreter fails the test it happened in and
 every test after it, with the reason counted as before (timeout, violation, crash).
 
