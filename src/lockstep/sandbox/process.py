@@ -159,6 +159,8 @@ class Sandbox:
         """Resident bytes of every process in the sandbox (0 when they cannot be read)."""
         page, total = resource.getpagesize(), 0
         init = self._init()
+        if init is not None and not self._left_host_root(init):
+            init = None  # bwrap reports its init before pivot_root: /proc/INIT/root/proc is still the host's
         if init is None:
             pids, base = [str(self.proc.pid)], "/proc"
         else:  # the sandbox's own procfs lists exactly its processes
@@ -174,6 +176,19 @@ class Sandbox:
             except (OSError, ValueError, IndexError):
                 pass
         return total
+
+    def _left_host_root(self, init: int) -> bool:
+        """Whether the sandbox's init has its own root yet (then for good: cached in _pivoted, set here
+        rather than in __init__ to keep this addition apart)."""
+        if getattr(self, "_pivoted", None) != init:
+            try:
+                root, host = os.stat(f"/proc/{init}/root"), os.stat("/")
+            except OSError:
+                return False
+            if (root.st_dev, root.st_ino) == (host.st_dev, host.st_ino):
+                return False
+            self._pivoted = init
+        return True
 
     # -- calls -------------------------------------------------------------------------------
     def call(self, code: str, *, mode: str = "cell", name: str = "<program>") -> Verdict:

@@ -108,3 +108,16 @@ class Verdict:
                 "error": self.error, "stdout": self.stdout, "stderr": self.stderr,
                 "stdout_bytes": self.stdout_bytes, "stderr_bytes": self.stderr_bytes,
                 "wall_s": round(self.wall_s, 4), "cpu_s": round(self.cpu_s, 4), "sandboxed": self.sandboxed}
+
+
+@dataclass(frozen=True)
+class Graded:
+    """What a program's tests gave (sandbox/grading.py: the tests run in a sandbox of their own)."""
+
+    passed: tuple[bool, ...]
+    """Per test, in order: whether it passed."""
+    reason: str
+    """ok (every test passed), failed (some failed), or what stopped the grading: timeout, violation
+    (a sandbox limit), crash (an interpreter died or the program raised at load), missing_entry_point."""
+    details: tuple[str, ...] = ()
+    """Per test: why it failed ('' when it passed), for logs and tests."""
