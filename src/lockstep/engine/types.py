@@ -196,10 +196,10 @@ class ForwardFingerprint:
     engine/fingerprint.py RESULT_ISA says why each); () on a GPU, whose forward does not run there."""
     aten_cpu: str
     """ATen's CPU kernel level (torch.backends.cpu.get_cpu_capability(): "AVX2", "AVX512", ...):
-    the eager path's elementwise ops differ by an ulp between levels."""
+    the eager path's elementwise ops differ by an ulp between levels; "" on a GPU."""
     mkl: str
     """MKL's version, its CNR mode (MKL_CBWR, strict or not) and the branch MKL picks for this CPU;
-    "none" without MKL."""
+    "none" without MKL, "" on a GPU."""
     matmul_precision: str
     """torch's float32 matmul precision ("highest": IEEE products; lower lets oneDNN use bf16/tf32)."""
     libraries: str

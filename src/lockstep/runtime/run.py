@@ -154,6 +154,7 @@ def build(spec: RunSpec, plan: Plan, model_path: str, run_dir: Path) -> ctl.Comp
 
 
 def stop(c: ctl.Components) -> None:
+    """Stop every actor of the run (those starting, retiring or draining too)."""
     c.fleet.close()
     for actor in c.every_actor():
         ray.kill(actor)
@@ -161,7 +162,7 @@ def stop(c: ctl.Components) -> None:
 
 def write_forwards(c: ctl.Components, run_dir: Path) -> None:
     """forward.json: each component's forward fingerprint and how it differs from the trainer's
-    (runtime/forwards.py); written at start and again at the end (replicas may have joined)."""
+    (runtime/forwards.py); written at start and again when the run ends (replicas may have joined)."""
     (run_dir / "forward.json").write_text(json.dumps(forwards.report(c.forwards), indent=2) + "\n")
 
 
@@ -215,7 +216,8 @@ def run(spec: RunSpec, run_dir: Path, progress=lambda *a, **k: None, *, resume: 
     r = Run(spec, plan, run_dir, progress, suite, data, c)
     try:
         r.start(ckpt)
-        return _execute_with_rollbacks(r, c)
-    finally:
+        summary = _execute_with_rollbacks(r, c)
         write_forwards(c, run_dir)
+        return summary
+    finally:
         stop(c)
