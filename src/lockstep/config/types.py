@@ -553,9 +553,17 @@ class RuntimeSpec:
     (runtime/allocator.py); false keeps trainer_threads, generator_threads and env_workers as set."""
     allocator_window: int = 25
     """RL steps per allocator window: what each decision measures before it is taken."""
+    allow_mixed_forward: bool = False
+    """Run even when a trainer rank or generator replica would compute other bits than the trainer
+    (another forward path, kernel build, CPU instruction set, GPU, library: engine/fingerprint.py).
+    False (the default) refuses such a run at start, naming the fields, and keeps such a replica
+    out of the fleet when it joins later; true runs with it, logs the differences (forward.json in
+    the run directory) and leaves the mismatch to the metrics (mismatch/*)."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.allocator, bool), "runtime.allocator", "true or false", self.allocator)
+        _require(isinstance(self.allow_mixed_forward, bool), "runtime.allow_mixed_forward", "true or false",
+                 self.allow_mixed_forward)
         _require(isinstance(self.allocator_window, int) and not isinstance(self.allocator_window, bool)
                  and self.allocator_window >= 1, "runtime.allocator_window", "an integer >= 1", self.allocator_window)
         _require(self.placement in ("pack", "spread"), "runtime.placement", '"pack" or "spread"', self.placement)

@@ -18,6 +18,7 @@ import ray
 
 from lockstep.config import ConfigError, RunSpec
 from lockstep.runtime import controller as ctl
+from lockstep.runtime import forwards
 from lockstep.runtime.fleet import GeneratorFleet, replica_name
 from lockstep.runtime.plan import Plan, make_plan
 from lockstep.runtime.rundir import PREEMPT, Preempted, actor_name, latest_checkpoint, log, resume_checkpoint
@@ -143,9 +144,26 @@ def build(spec: RunSpec, plan: Plan, model_path: str, run_dir: Path) -> ctl.Comp
     fleet = GeneratorFleet(generators, r.call_timeout_s, plan.weight_sync)
     envs = [env_worker(spec, model_path, run_dir, f"env{i}", plan.env_cpus, **others[i % len(others)])
             for i in range(plan.env_workers)]
-    c = ctl.Components(trainer, fleet, envs, r.call_timeout_s)
-    c.note_incarnations()  # also surfaces start-up errors early
+    c = ctl.Components(trainer, fleet, envs, r.call_timeout_s, allow_mixed_forward=r.allow_mixed_forward)
+    try:
+        c.note_incarnations()  # also surfaces start-up errors early, and refuses mixed forwards
+    except BaseException:
+        stop(c)
+        raise
     return c
+
+
+def stop(c: ctl.Components) -> None:
+    """Stop every actor of the run (those starting, retiring or draining too)."""
+    c.fleet.close()
+    for actor in c.every_actor():
+        ray.kill(actor)
+
+
+def write_forwards(c: ctl.Components, run_dir: Path) -> None:
+    """forward.json: each component's forward fingerprint and how it differs from the trainer's
+    (runtime/forwards.py); written at start and again when the run ends (replicas may have joined)."""
+    (run_dir / "forward.json").write_text(json.dumps(forwards.report(c.forwards), indent=2) + "\n")
 
 
 def _execute_with_rollbacks(r: Run, c: ctl.Components) -> dict:
@@ -194,11 +212,12 @@ def run(spec: RunSpec, run_dir: Path, progress=lambda *a, **k: None, *, resume: 
     c = build(spec, plan, model_path, run_dir)
     # Where each actor started (Ray node ids); summary.json has where each ended.
     (run_dir / "nodes.json").write_text(json.dumps(c.nodes, indent=2) + "\n")
+    write_forwards(c, run_dir)
     r = Run(spec, plan, run_dir, progress, suite, data, c)
     try:
         r.start(ckpt)
-        return _execute_with_rollbacks(r, c)
+        summary = _execute_with_rollbacks(r, c)
+        write_forwards(c, run_dir)
+        return summary
     finally:
-        c.fleet.close()
-        for actor in c.every_actor():
-            ray.kill(actor)
+        stop(c)

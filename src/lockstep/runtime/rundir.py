@@ -32,7 +32,7 @@ log = logging.getLogger("lockstep.run")
 PREEMPT = threading.Event()
 """Set (by SIGTERM, see `lockstep run`) to checkpoint at the next step boundary and stop."""
 
-LIFETIME_COUNTERS = ("runtime/restarts", "runtime/rollbacks")
+LIFETIME_COUNTERS = ("runtime/restarts", "runtime/rollbacks", "runtime/mixed_forward", "runtime/forward_refused")
 """Counters of what happened to this process's run, kept across a rollback to a checkpoint
 (the other counters go back with the position)."""
 
