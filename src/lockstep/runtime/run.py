@@ -16,6 +16,7 @@ from pathlib import Path
 
 import ray
 
+from lockstep import memlimit
 from lockstep.config import ConfigError, RunSpec
 from lockstep.runtime import controller as ctl
 from lockstep.runtime.fleet import GeneratorFleet, replica_name
@@ -33,6 +34,8 @@ def preempt_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda *_: PREEMPT.set())
 
 
+JOB_LIMITS_ENV = (memlimit.CGROUP_ENV, memlimit.RLIMIT_ENV, "LOCKSTEP_DATA_BUDGET_BYTES")
+"""Variables the job service sets on a job process that its Ray actors must see too."""
 MAX_ROLLBACKS = 16
 """Rollbacks to a checkpoint after a lost trainer before a run gives up (each also spends a Ray
 restart, so runtime.max_restarts bounds them first)."""
@@ -85,6 +88,11 @@ def start_ray(plan: Plan) -> None:
         return
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore",
                         "MKL_CBWR": os.environ.get("MKL_CBWR", "AUTO,STRICT")}}  # see engine/invariant.py
+    # A service job's limits (its memory, its data budget) reach its actors too: they are the
+    # raylet's children, not this process's, and join the job's memory limit as they start.
+    env["env_vars"].update({k: os.environ[k] for k in JOB_LIMITS_ENV if k in os.environ})
+    if memlimit.CGROUP_ENV in os.environ or memlimit.RLIMIT_ENV in os.environ:
+        env["worker_process_setup_hook"] = "lockstep.memlimit.enter_from_env"
     gpus = {"num_gpus": plan.num_gpus} if plan.device == "cuda" else {}
     raylocal.init(plan.ray_address or "", runtime_env=env, log_to_driver=False, num_cpus=plan.num_cpus, **gpus)
 
