@@ -116,9 +116,9 @@ def _probe(kind: str) -> Path:
     probe = _Cgroup(kind, root / f"probe-{os.getpid()}")
     probe.make(64 * MiB)
     probe.remove()
-    for stale in root.iterdir():  # a previous worker's, killed with it: empty, or about to be
+    for stale in root.iterdir():  # a dead worker's, empty (its processes died with it); never a live one's
         if stale.is_dir():
-            _Cgroup(kind, stale).remove()
+            _Cgroup(kind, stale).remove(kill=False)
     return root
 
 
@@ -196,12 +196,16 @@ class _Cgroup:
                 except ProcessLookupError:
                     pass
 
-    def remove(self) -> bool:
-        """Kill what is left in it and delete it; False if it is still busy (a killed process not
-        yet reaped by its parent): try again later."""
+    def remove(self, *, kill: bool = True) -> bool:
+        """Kill what is left in it (unless not `kill`) and delete it, its own child cgroups first;
+        False if it is still busy (a killed process not yet reaped by its parent): try again later."""
         if not self.path.exists():
             return True
-        self.kill()
+        children = [_Cgroup(self.kind, child) for child in self.path.iterdir() if child.is_dir()]
+        if not all([child.remove(kill=kill) for child in children]):
+            return False
+        if kill:
+            self.kill()
         try:
             self.path.rmdir()
         except FileNotFoundError:

@@ -280,6 +280,9 @@ class Scheduler:
         remove_placement_group(attempt.pg)
         self._upload_log(attempt)
         over_memory = attempt.stopped_for is None and code != 0 and self._over_memory(attempt)
+        if (peak := attempt.memory.peak()) is not None:
+            log.info("job %s attempt %d: peak memory %d MiB (cap %d MiB)", job.id, attempt.number, peak >> 20,
+                     attempt.memory.limit >> 20)
         if not attempt.memory.remove():
             self._leftovers.append(attempt.memory)
         error, summary = None, None
