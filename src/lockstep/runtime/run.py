@@ -21,7 +21,8 @@ from lockstep.config import ConfigError, RunSpec
 from lockstep.runtime import controller as ctl
 from lockstep.runtime.fleet import GeneratorFleet, replica_name
 from lockstep.runtime.plan import Plan, make_plan
-from lockstep.runtime.rundir import PREEMPT, Preempted, actor_name, latest_checkpoint, log, resume_checkpoint
+from lockstep.runtime.rundir import (PREEMPT, Preempted, actor_name, check_writer, latest_checkpoint, log,
+                                     resume_checkpoint, writer_lock)
 from lockstep.runtime.stages import Run
 
 __all__ = ["PREEMPT", "Preempted", "actor_name", "check_losses", "latest_checkpoint", "run"]
@@ -183,30 +184,37 @@ def _execute_with_rollbacks(r: Run, c: ctl.Components) -> dict:
 def run(spec: RunSpec, run_dir: Path, progress=lambda *a, **k: None, *, resume: bool = False,
         preemptible: bool = False) -> dict:
     """Run `spec` into `run_dir`; with `resume`, continue it from its newest checkpoint. With
-    `preemptible`, SIGTERM checkpoints at the next step and raises Preempted."""
+    `preemptible`, SIGTERM checkpoints at the next step and raises Preempted. RunDirError when a
+    live process is writing `run_dir` (this run holds its writer lock from its first write on)."""
+    run_dir = Path(run_dir)
+    check_writer(run_dir)  # first: a live run's directory is refused as such, whatever else is wrong
     check_losses(spec)
     plan = make_plan(spec)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     model_path = resolve_model(spec)
     suite, data = make_env_suite(spec, model_path)
-    run_dir = Path(run_dir)
     if resume and (run_dir / "checkpoints" / "final").is_dir() and (run_dir / "summary.json").is_file():
         return json.loads((run_dir / "summary.json").read_text())  # already complete
+    _check_fresh(run_dir, resume)
+    ckpt = resume_checkpoint(run_dir) if resume else None  # refuses, before any write, if every one is torn
+    with writer_lock(run_dir):
+        _check_fresh(run_dir, resume)  # (again: a run may have started and ended here since)
+        start_ray(plan)
+        if preemptible:
+            preempt_on_sigterm()
+        c = build(spec, plan, model_path, run_dir)
+        # Where each actor started (Ray node ids); summary.json has where each ended.
+        (run_dir / "nodes.json").write_text(json.dumps(c.nodes, indent=2) + "\n")
+        r = Run(spec, plan, run_dir, progress, suite, data, c)
+        try:
+            r.start(ckpt)
+            return _execute_with_rollbacks(r, c)
+        finally:
+            c.fleet.close()
+            for actor in c.every_actor():
+                ray.kill(actor)
+
+
+def _check_fresh(run_dir: Path, resume: bool) -> None:
     if not resume and (run_dir / "ledger.jsonl").exists():
         raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick another --run-dir")
-    ckpt = resume_checkpoint(run_dir) if resume else None  # refuses, before any write, if every one is torn
-    start_ray(plan)
-    if preemptible:
-        preempt_on_sigterm()
-    run_dir.mkdir(parents=True, exist_ok=True)  # the env workers open envs.log in it
-    c = build(spec, plan, model_path, run_dir)
-    # Where each actor started (Ray node ids); summary.json has where each ended.
-    (run_dir / "nodes.json").write_text(json.dumps(c.nodes, indent=2) + "\n")
-    r = Run(spec, plan, run_dir, progress, suite, data, c)
-    try:
-        r.start(ckpt)
-        return _execute_with_rollbacks(r, c)
-    finally:
-        c.fleet.close()
-        for actor in c.every_actor():
-            ray.kill(actor)
