@@ -437,8 +437,8 @@ def _cmd_job(args) -> int:
         print(json.dumps(job))
         return 0
     acc = (job.get("summary") or {}).get("eval_accuracy_final")
-    for key in ("id", "name", "state", "priority", "attempts", "max_attempts", "preemptions", "run_seconds",
-                "created_at", "started_at", "finished_at"):
+    for key in ("id", "name", "state", "priority", "attempts", "max_attempts", "preemptions", "interruptions",
+                "run_seconds", "created_at", "started_at", "finished_at"):
         print(f"{key:>14}: {job[key]}")
     if acc is not None:
         print(f"{'accuracy':>14}: {acc:.3f}")
