@@ -4,6 +4,7 @@ an attempt would start)."""
 
 import io
 import json
+import signal
 import subprocess
 import sys
 import tarfile
@@ -12,12 +13,15 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from data_bombs import metadata_bytes, parquet_bomb
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from lockstep.envs.registry import ALLOWLIST_ENV, resolve_factory
 from lockstep.envs.types import EnvError
 from lockstep.service.app import ServiceConfig, create_app
+from lockstep.service.datacheck import CHECK_MEMORY_BYTES
+from lockstep.service.datasets import _verdict
 from lockstep.service.db import Job, JobEvent, Tenant, connect
 from lockstep.service.jobstate import move
 from lockstep.service.policy import Policy, PolicyError
@@ -37,6 +41,8 @@ max_datasets = 2
 dataset_quota_bytes = 300
 max_dataset_bytes = 200
 max_queued_jobs = 2
+[tenants.tight]
+max_dataset_decoded_bytes = 1048576
 """
 
 
@@ -49,7 +55,7 @@ def svc(tmp_path, builtin_dir):
     _, sessions = connect(cfg.db_url)
     with sessions() as s:
         register_base_models(s, {"lockstep/tiny": builtin_dir})
-        keys = {name: create_tenant(s, name)[1] for name in ("alice", "bob", "trusted", "small")}
+        keys = {name: create_tenant(s, name)[1] for name in ("alice", "bob", "trusted", "small", "tight")}
     with TestClient(create_app(cfg)) as client:
         client.keys, client.sessions, client.policy, client.tmp = keys, sessions, policy, tmp_path
         client.storage = Storage(cfg.storage_url)
@@ -220,6 +226,78 @@ def test_dataset_size_cap_and_quota(svc):
     assert call(svc, "small", "DELETE", f"datasets/{first.json()['id']}").status_code == 200
     assert len(list((svc.tmp / "storage" / "datasets").rglob("*.jsonl"))) == 1
     assert upload(svc, "small", b"{}\n").status_code == 200
+
+
+def assert_nothing_stored(svc, tenant):
+    assert call(svc, tenant, "GET", "datasets").json()["datasets"] == []
+    assert not (svc.tmp / "storage" / "datasets").exists() or not any((svc.tmp / "storage" / "datasets").rglob("*.*"))
+
+
+@pytest.mark.parametrize("num_rows, arrow_schema, under", [(20_000, True, 1024), (200_000, False, 2048)],
+                         ids=["2GB-in-under-1KB", "20GB-in-under-2KB"])
+def test_a_parquet_bomb_is_refused_by_what_it_decodes_to(svc, num_rows, arrow_schema, under):
+    bomb = parquet_bomb(num_rows, 100_000, arrow_schema=arrow_schema)
+    limits = svc.policy.for_tenant("alice")
+    assert len(bomb) < under and num_rows * 100_000 >= 2 * 10**9
+    # Control: the old check bounded the footer's total_byte_size (the dictionary page, once) by
+    # 8 x max_dataset_bytes, and let both through.
+    assert metadata_bytes(bomb) < 200_000 < 8 * limits.max_dataset_bytes
+    r = upload(svc, "alice", bomb, name="bomb.parquet")
+    assert r.status_code == 400, r.text
+    assert f"decodes to more than this server's cap max_dataset_decoded_bytes = {512 << 20}" in r.json()["error"]
+    assert limits.max_dataset_decoded_bytes == 512 << 20
+    assert_nothing_stored(svc, "alice")
+
+
+def test_the_decoded_cap_is_the_tenants_and_counts_expanded_rows(svc):
+    """Tenant `tight` may store 1 MiB of decoded rows: 100 rows of a dictionary-encoded 8 KB prompt
+    (8,000 to 9,000 bytes each as Python objects) fit, 140 do not; 100k empty dicts in one jsonl
+    line (300 KB of text, 100k x sys.getsizeof({}) = 6.4 MB in memory) do not either."""
+    ok = upload(svc, "tight", parquet_bomb(100, 8_000), name="ok.parquet")
+    assert ok.status_code == 200 and ok.json()["num_rows"] == 100, ok.text
+    r = upload(svc, "tight", parquet_bomb(140, 8_000), name="over.parquet")
+    assert r.status_code == 400 and "max_dataset_decoded_bytes = 1048576" in r.json()["error"], r.text
+    dicts = json.dumps({"prompt": [{}] * 100_000}).encode() + b"\n"
+    r = upload(svc, "tight", dicts)
+    assert r.status_code == 400 and "max_dataset_decoded_bytes = 1048576" in r.json()["error"], r.text
+    assert upload(svc, "alice", dicts).status_code == 200  # control: within the default cap
+    assert [d["id"] for d in call(svc, "tight", "GET", "datasets").json()["datasets"]] == [ok.json()["id"]]
+
+
+def check_in_process(path, cap: int, memory: int) -> dict:
+    r = subprocess.run([sys.executable, "-B", "-m", "lockstep.service.datacheck", str(path), "parquet", str(cap),
+                        str(memory)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_the_check_decodes_in_a_process_of_bounded_memory(tmp_path):
+    """One 100 MB value compresses to a 3.5 KB file, within a 512 MiB decoded cap, but its page,
+    arrow array and str take ~300 MB at once: the check's process refuses it when its memory is
+    bounded to 250 MB, and (control) decodes it with 1 GiB, the bound uploads are checked under."""
+    path = tmp_path / "one.parquet"
+    pq.write_table(pa.table({"prompt": ["y" * 100_000_000]}), path, compression="zstd", compression_level=1)
+    assert path.stat().st_size < 8192
+    verdict = check_in_process(path, 512 << 20, 250 << 20)
+    assert verdict == {"refused": "dataset needs more than 262144000 bytes of memory to decode (one parquet page, "
+                                  "value or batch of 64 rows inflates past it)"}
+    assert check_in_process(path, 512 << 20, CHECK_MEMORY_BYTES) == {"rows": 1} and CHECK_MEMORY_BYTES == 1 << 30
+
+
+@pytest.mark.parametrize("returncode, stdout, stderr, message", [
+    (-signal.SIGXCPU, b"", b"", "dataset takes more than 60 s of CPU time to decode"),
+    (-signal.SIGKILL, b"", b"", "dataset takes more than 60 s of CPU time to decode"),
+    (1, b"", b"Traceback ...\nMemoryError\n", f"dataset needs more than {1 << 30} bytes of memory to decode"),
+    (-signal.SIGSEGV, b"", b"", "dataset could not be read: the check stopped with exit status -11"),
+    (0, b"not json", b"", "dataset could not be read: the check stopped with exit status 0"),
+    (0, b'{"rows": "3"}', b"", "dataset could not be read: the check stopped with exit status 0"),
+])
+def test_a_check_that_dies_refuses_the_file(returncode, stdout, stderr, message):
+    """Killed past its CPU time or memory, or crashed in the reader on a crafted file: a 400 that says
+    so, never a 500 or an accepted file."""
+    done = subprocess.CompletedProcess([], returncode, stdout, stderr)
+    assert _verdict(done) == {"refused": message}
+    assert _verdict(subprocess.CompletedProcess([], 0, b'{"rows": 3}\n', b"")) == {"rows": 3}
 
 
 @pytest.mark.parametrize("field", ["env.path", "env.test_path", "stages.0.dataset"])

@@ -9,10 +9,12 @@ workers) need not build torch tensors.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal, Mapping, Sequence
 
 import numpy as np
+
+from lockstep.config.types import ConfigError, check_adam
 
 StopReason = Literal["stop", "length"]
 
@@ -145,14 +147,11 @@ class AdamParams:
     """Global L2 norm clip; 0 disables."""
 
     def __post_init__(self) -> None:
-        for name in ("learning_rate", "eps", "weight_decay", "grad_clip_norm"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise EngineError(f"adam_params.{name} must be a finite number >= 0, got {v!r}")
-        for name in ("beta1", "beta2"):
-            v = getattr(self, name)
-            if not (0 <= v < 1):
-                raise EngineError(f"adam_params.{name} must be in [0, 1), got {v!r}")
+        # The API checks the same ranges; the trainer does not rely on it (1e30 leaves a model NaN).
+        try:
+            check_adam({f.name: getattr(self, f.name) for f in fields(self)})
+        except ConfigError as e:
+            raise EngineError(str(e)) from None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import ray
 
 from lockstep import memlimit
 from lockstep.config import ConfigError, RunSpec
+from lockstep.envs.datafile import BUDGET_ENV
 from lockstep.runtime import controller as ctl
 from lockstep.runtime.fleet import GeneratorFleet, replica_name
 from lockstep.runtime.plan import Plan, make_plan
@@ -35,7 +36,7 @@ def preempt_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda *_: PREEMPT.set())
 
 
-JOB_LIMITS_ENV = (memlimit.CGROUP_ENV, memlimit.RLIMIT_ENV, "LOCKSTEP_DATA_BUDGET_BYTES")
+JOB_LIMITS_ENV = (memlimit.CGROUP_ENV, memlimit.RLIMIT_ENV, BUDGET_ENV)
 """Variables the job service sets on a job process that its Ray actors must see too."""
 MAX_ROLLBACKS = 16
 """Rollbacks to a checkpoint after a lost trainer before a run gives up (each also spends a Ray

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import ray
 
+from lockstep.envs.datafile import BUDGET_ENV
 from lockstep.envs.registry import ALLOWLIST_ENV
 from lockstep.memlimit import MiB, Backend, JobMemory
 from lockstep.monitor.runfile import JsonLines
@@ -32,11 +33,6 @@ from lockstep.service.types import ServiceError
 SLOT = "lockstep_job_slots"
 SUPERVISOR_ENV = "LOCKSTEP_SUPERVISOR_PID"
 """Set on a job process: the pid whose death ends it (see cli.py's watchdog)."""
-DATA_BUDGET_ENV = "LOCKSTEP_DATA_BUDGET_BYTES"
-"""Decoded bytes a job may read from its datasets (the job's data readers honour it)."""
-DATA_BUDGET_FACTOR = 8
-"""The budget is this many times max_dataset_bytes (decoded rows are larger than the stored,
-compressed file), until the policy has a field of its own for it."""
 SLOT_WAIT_S = 60.0
 """A slot the scheduler counted as free should be granted at once; past this the attempt fails."""
 CANCEL_POLL_S = 0.25
@@ -175,7 +171,7 @@ def _spawn(plan: Plan, spec: Path, limit: JobMemory, ray_address: str) -> subpro
         cmd += ["--ray-address", ray_address]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", SUPERVISOR_ENV: str(os.getpid()),
            ALLOWLIST_ENV: ",".join(plan.limits.user_env_modules),
-           DATA_BUDGET_ENV: str(DATA_BUDGET_FACTOR * plan.limits.max_dataset_bytes), **limit.env()}
+           BUDGET_ENV: str(plan.limits.max_dataset_decoded_bytes), **limit.env()}  # (what the upload accepted fits)
     log = plan.job_dir / f"attempt-{plan.number}.log"
     with open(log, "a") as out:  # a preempted attempt resumes under its number: its log goes on
         if out.tell():

@@ -105,6 +105,11 @@ class Limits:
     """Jobs a tenant may have waiting at once."""
     max_dataset_bytes: int = 32 * MiB
     """One uploaded dataset (the API's --max-body-mb bounds it too)."""
+    max_dataset_decoded_bytes: int = 512 * MiB
+    """One dataset's rows once decoded: the memory they take as Python objects, parquet dictionaries
+    expanded (envs/datafile.py; a jsonl file takes ~3x its size in rows of a few KB, ~7x in rows of
+    ~60 bytes, up to ~20x in rows of a few characters). The upload counts them and refuses a dataset
+    past it; a job stops reading a data file past it ($LOCKSTEP_DATA_BUDGET_BYTES)."""
     dataset_quota_bytes: int = 1024 * MiB
     """A tenant's datasets, all together."""
     max_datasets: int = 100
