@@ -113,13 +113,27 @@ def _probe(kind: str) -> Path:
     root.mkdir(exist_ok=True)
     if kind == "cgroup2":
         _enable_memory(root)
-    probe = _Cgroup(kind, root / f"probe-{os.getpid()}")
+    probe = _Cgroup(kind, root / f"w{os.getpid()}-probe")
     probe.make(64 * MiB)
     probe.remove()
-    for stale in root.iterdir():  # a dead worker's, empty (its processes died with it); never a live one's
-        if stale.is_dir():
+    for stale in root.iterdir():  # a dead worker's (its processes died with it); never a live one's
+        if stale.is_dir() and not _alive(stale.name):
             _Cgroup(kind, stale).remove(kill=False)
     return root
+
+
+def _alive(name: str) -> bool:
+    """Whether the worker that made cgroup `name` ("w<pid>-...", see JobMemory) still runs."""
+    head = name.split("-", 1)[0]
+    if not (head.startswith("w") and head[1:].isdigit()):
+        return True  # not ours to judge
+    try:
+        os.kill(int(head[1:]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def detect(mode: str = "auto") -> Backend:
@@ -230,7 +244,9 @@ class JobMemory:
 
     def __init__(self, backend: Backend, name: str, limit_bytes: int, *, cuda: bool = False):
         self.backend, self.limit, self.cuda = backend, int(limit_bytes), cuda
-        self.cgroup = _Cgroup(backend.kind, backend.root / name) if backend.cgroup else None
+        # Named after this process: another worker in the same cgroup clears only a dead one's.
+        path = backend.root / f"w{os.getpid()}-{name}" if backend.cgroup else None
+        self.cgroup = _Cgroup(backend.kind, path) if path is not None else None
 
     def make(self) -> None:
         if self.cgroup is not None:
