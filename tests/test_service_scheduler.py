@@ -18,9 +18,9 @@ from lockstep import memlimit, raylocal
 from lockstep.service.db import Job, JobEvent
 from lockstep.service.jobstate import move
 from lockstep.service.launch import SLOT, Attempt, LaunchCancelled, MetricsTail
-from lockstep.service.scheduler import Scheduler
+from lockstep.service.scheduler import PREEMPTED_EXIT, Scheduler
 from lockstep.service.types import JobState
-from test_service_policy import call, queued_job, states, svc  # noqa: F401 - svc is a fixture
+from test_service_policy import call, queued_job, states, submit, svc  # noqa: F401 - svc is a fixture
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +164,23 @@ def test_a_torn_metrics_line_never_fails_a_tick(svc, slot):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_an_attempt_a_preemption_or_a_worker_stop_ends_is_given_back(svc):
+    """A running job with max_attempts = 1 whose attempt a reserved job's preemption, or its
+    worker's stop, ends (exit 75 after checkpointing) goes back to the queue with attempts 0 and
+    the right counter: its resumed attempt is attempt 1 again, never 2 of 1."""
+    for stopping, counter in ((False, "preemptions"), (True, "interruptions")):
+        job_id = submit(svc, "alice", {}, max_attempts=1).json()["id"]
+        with svc.sessions() as s:
+            job = s.get(Job, job_id)
+            for to in ("starting", "running", "preempting"):
+                assert move(s, job, JobState(to), **({"attempts": 1} if to == "starting" else {}))
+            s.commit()
+            sched = scheduler(svc)
+            sched.stopping = stopping
+            sched._end_attempt(s, job, 1, time.time(), PREEMPTED_EXIT, None)
+            s.commit()
+        got = call(svc, "alice", "GET", f"jobs/{job_id}").json()
+        assert (got["state"], got["attempts"], got[counter]) == ("queued", 0, 1), got
+        assert got["preemptions"] + got["interruptions"] == 1
