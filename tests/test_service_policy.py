@@ -25,7 +25,7 @@ from lockstep.service.datasets import _verdict
 from lockstep.service.db import Job, JobEvent, Tenant, connect
 from lockstep.service.jobstate import move
 from lockstep.service.policy import Policy, PolicyError
-from lockstep.service.scheduler import Scheduler, adopt_orphans, attempt_error
+from lockstep.service.scheduler import MAX_INTERRUPTIONS, Scheduler, adopt_orphans, attempt_error
 from lockstep.service.storage import Storage
 from lockstep.service.tenants import create_tenant
 from lockstep.service.types import JobState
@@ -445,13 +445,13 @@ def test_a_move_is_a_compare_and_set(svc):
     job_id = queued_job(svc)
     with svc.sessions() as a, svc.sessions() as b:
         ja, jb = a.get(Job, job_id), b.get(Job, job_id)  # both read "queued"
-        assert move(a, ja, JobState.RUNNING)
+        assert move(a, ja, JobState.STARTING)
         a.commit()
         assert not move(b, jb, JobState.CANCELLED)  # its read is stale: it loses
-        assert jb.state == "running"  # and sees what won
+        assert jb.state == "starting"  # and sees what won
         assert move(b, jb, JobState.CANCELLING)
         b.commit()
-    assert states(svc, job_id) == ["queued", "running", "cancelling"]
+    assert states(svc, job_id) == ["queued", "starting", "cancelling"]
 
 
 def scheduler(svc) -> Scheduler:
@@ -493,16 +493,30 @@ def test_the_scheduler_refuses_a_spec_written_behind_the_apis_back(svc):
 
 
 def test_adopting_orphans_goes_through_the_state_machine(svc):
-    running, cancelling, done = queued_job(svc), queued_job(svc), queued_job(svc)
+    """A dead worker's jobs: those it was starting, running or preempting go back to the queue
+    with their attempt given back and the interruption counted (a job with max_attempts = 1
+    interrupted again and again never shows 2 attempts); a job interrupted MAX_INTERRUPTIONS
+    times fails; one being cancelled ends cancelled; one state event per change."""
+    paths = {"starting": ["starting"], "running": ["starting", "running"],
+             "preempting": ["starting", "running", "preempting"], "cancelling": ["starting", "cancelling"],
+             "done": ["starting", "running", "succeeded"], "worn": ["starting", "running"]}
+    ids = {name: submit(svc, "alice", {}, max_attempts=1).json()["id"] for name in paths}
     with svc.sessions() as s:
-        for job_id, path in ((running, ["running"]), (cancelling, ["running", "cancelling"]),
-                             (done, ["running", "succeeded"])):
+        for name, path in paths.items():
+            job = s.get(Job, ids[name])
             for to in path:
-                assert move(s, s.get(Job, job_id), JobState(to))
+                assert move(s, job, JobState(to), **({"attempts": 1} if to == "starting" else {}))
+        s.get(Job, ids["worn"]).interruptions = MAX_INTERRUPTIONS
         s.commit()
-    assert adopt_orphans(svc.sessions) == 1
-    assert states(svc, running)[-1] == "queued" and states(svc, cancelling)[-1] == "cancelled"
-    assert states(svc, done)[-1] == "succeeded"
+    assert adopt_orphans(svc.sessions) == 3
+    for name in ("starting", "running", "preempting"):
+        job = call(svc, "alice", "GET", f"jobs/{ids[name]}").json()
+        assert (job["state"], job["attempts"], job["interruptions"]) == ("queued", 0, 1), job
+        assert states(svc, ids[name]) == ["queued", *paths[name], "queued"]
+    assert states(svc, ids["cancelling"]) == ["queued", "starting", "cancelling", "cancelled"]
+    assert states(svc, ids["done"]) == ["queued", "starting", "running", "succeeded"]
+    worn = call(svc, "alice", "GET", f"jobs/{ids['worn']}").json()
+    assert worn["state"] == "failed" and f"at most {MAX_INTERRUPTIONS}" in worn["error"]
 
 
 def test_a_failed_attempts_error_is_a_message_not_a_traceback(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -126,7 +127,6 @@ def _cmd_run(args) -> int:
 
     _exit_with_supervisor()
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from lockstep.runtime.plan import make_plan
     from lockstep.runtime.run import check_losses
@@ -146,10 +146,24 @@ def _cmd_run(args) -> int:
             return 2
         print(json.dumps({"config": to_dict(spec), "plan": plan.as_dict(), "strategy": strategy}, indent=2))
         return 0
-    from lockstep.runtime.run import run
+    from lockstep.runtime.rundir import check_writer
 
     run_dir = args.resume or args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+    check_writer(Path(run_dir))  # a live run's directory: refused before anything starts (exit 2)
     console.print(f"[bold]lockstep run[/bold] -> {run_dir}" + (" (resuming)" if args.resume else ""))
+    with contextlib.ExitStack() as held:
+        if args.alerts or args.alert_webhook:  # alerts.jsonl is written from here on: the run's lock first
+            from lockstep.runtime.rundir import writer_lock
+
+            held.enter_context(writer_lock(Path(run_dir)))
+        return _run_in(args, spec, console, run_dir)
+
+
+def _run_in(args, spec, console, run_dir: str) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from lockstep.runtime.run import run
+
     if args.metrics_port is not None:
         _serve_metrics(Path(run_dir), args.metrics_port)
         console.print(f"Prometheus metrics: http://127.0.0.1:{args.metrics_port}/metrics")
@@ -423,8 +437,8 @@ def _cmd_job(args) -> int:
         print(json.dumps(job))
         return 0
     acc = (job.get("summary") or {}).get("eval_accuracy_final")
-    for key in ("id", "name", "state", "priority", "attempts", "max_attempts", "preemptions", "run_seconds",
-                "created_at", "started_at", "finished_at"):
+    for key in ("id", "name", "state", "priority", "attempts", "max_attempts", "preemptions", "interruptions",
+                "run_seconds", "created_at", "started_at", "finished_at"):
         print(f"{key:>14}: {job[key]}")
     if acc is not None:
         print(f"{'accuracy':>14}: {acc:.3f}")

@@ -172,7 +172,7 @@ def get_dataset(dataset_id: str, request: Request, t: Tenant = TENANT) -> dict:
 def delete_dataset(dataset_id: str, request: Request, t: Tenant = TENANT) -> dict:
     with db(request) as s:
         ds = _dataset(s, t, dataset_id)
-        live = [JobState.QUEUED, JobState.RUNNING, JobState.PREEMPTING, JobState.CANCELLING]
+        live = [state for state in JobState if not state.terminal]
         for job in s.scalars(select(Job).where(Job.tenant_id == t.id, Job.state.in_([x.value for x in live]))):
             if any(value == ds.id for _, value in data_fields(job.spec)):
                 raise ServiceError(f"dataset {ds.id} is used by job {job.id} ({job.state}); delete it once that job ends",

@@ -63,7 +63,8 @@ def validate_spec(s, tenant: Tenant, spec: dict, limits: Limits) -> dict:
 
 def _job_json(job: Job) -> dict:
     return {"id": job.id, "name": job.name, "state": job.state, "priority": job.priority, "attempts": job.attempts,
-            "max_attempts": job.max_attempts, "preemptions": job.preemptions, "error": job.error,
+            "max_attempts": job.max_attempts, "preemptions": job.preemptions, "interruptions": job.interruptions,
+            "error": job.error,
             "summary": job.summary, "run_seconds": job.run_seconds, "created_at": job.created_at.isoformat(),
             "started_at": job.started_at.isoformat() if job.started_at else None,
             "finished_at": job.finished_at.isoformat() if job.finished_at else None, "spec": job.spec}
@@ -143,7 +144,7 @@ def get_job(job_id: str, request: Request, t: Tenant = TENANT) -> dict:
 
 @router.post("/jobs/{job_id}/cancel")
 def cancel_job(job_id: str, request: Request, t: Tenant = TENANT) -> dict:
-    """A queued job is cancelled at once; a running one is asked to stop (the scheduler ends it).
+    """A queued job is cancelled at once; a starting or running one is asked to stop (the scheduler ends it).
     Through the state machine: if the scheduler moved the job meanwhile, cancel what it is now."""
     with db(request) as s:
         job = _job(s, t, job_id)
@@ -206,11 +207,17 @@ def job_logs(job_id: str, request: Request, attempt: int | None = Query(None, ge
     storage = request.app.state.storage
     with db(request) as s:
         job = _job(s, t, job_id)
-    n = attempt or job.attempts
-    key = f"jobs/{job.tenant_id}/{job.id}/logs/attempt-{n}.log"
-    if n < 1 or n > job.attempts or not storage.exists(key):
-        raise NotFound(f"job {job.id} has no log for attempt {n} (it has made {job.attempts} attempts)")
-    return StreamingResponse(_read_chunks(storage, key), media_type="text/plain; charset=utf-8")
+
+    def key(n: int) -> str:
+        return f"jobs/{job.tenant_id}/{job.id}/logs/attempt-{n}.log"
+
+    # A preempted or interrupted attempt was given back (attempts - 1) and resumes under its own
+    # number: its log is that of attempts + 1 until then.
+    made = job.attempts + 1 if storage.exists(key(job.attempts + 1)) else job.attempts
+    n = attempt or made
+    if n < 1 or n > made or not storage.exists(key(n)):
+        raise NotFound(f"job {job.id} has no log for attempt {n} (it has made {made} attempts)")
+    return StreamingResponse(_read_chunks(storage, key(n)), media_type="text/plain; charset=utf-8")
 
 
 def _read_chunks(storage, key: str):

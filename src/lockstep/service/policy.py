@@ -92,6 +92,11 @@ class Limits:
     max_sandbox_open_files: int = 256
     max_sandbox_output_kb: int = 1024
     max_sandbox_tmpfs_mb: int = 256
+    max_job_memory_mb: int = 16_384
+    """Memory of a job, all its processes together (`lockstep run` and its Ray actors), where the
+    worker has a cgroup for it; else each process's address space (RLIMIT_AS: a tiny job's
+    processes map 9.2 GB each, so keep this above ~12 GiB there). A job over it is stopped and
+    fails with a message naming this cap (see lockstep/memlimit.py)."""
     max_wall_seconds: float = 6 * 3600.0
     """Running time of a job, over all its attempts; the scheduler stops and fails a job past it."""
     max_spec_bytes: int = 64 * 1024

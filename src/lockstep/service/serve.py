@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from lockstep.config.types import DEVICES, DRAFTERS, DTYPES
+from lockstep.memlimit import MODES as MEMORY_MODES
 
 log = logging.getLogger("lockstep.serve")
 
@@ -185,6 +186,9 @@ WORKER_OPTIONS = (  # (flag, WorkerConfig field, type, help): shared by `lockste
     ("--speculative", "speculative", lambda v: _choice(v, DRAFTERS),
      "speculative decoding in sampling sessions: off, suffix or model (samples and logprobs never change)"),
     ("--draft-tokens", "draft_tokens", lambda v: _at_least(v, 1, 64), "tokens drafted per row and step, at most"),
+    ("--job-memory", "job_memory", lambda v: _choice(v, MEMORY_MODES),
+     "how a job's memory is capped (the policy's max_job_memory_mb): auto (a cgroup per job where possible, "
+     "else RLIMIT_AS per process), cgroup (refuse to start without one) or rlimit"),
 )
 
 
