@@ -38,6 +38,7 @@ from pathlib import Path
 import pytest
 
 from lockstep.envs.code import SHIPPED, Outcome, Problem, run_tests
+from lockstep.sandbox import uids
 from lockstep.sandbox.bwrap import SANDBOX_UID, check_available, spawn_user, unsafe
 from lockstep.sandbox.pool import close_pools, pool, run_program_blocking
 from lockstep.sandbox.types import Limits, LimitsError, SandboxUnavailable
@@ -161,7 +162,8 @@ def host():
     (d / "host.sock").chmod(0o777)
     unix_file.listen(16)
     # A host process of the sandboxes' own outer uid: the one a kill or a ptrace could reach.
-    victim = subprocess.Popen(["sleep", "900"], stdin=subprocess.DEVNULL, start_new_session=True, **spawn_user())
+    victim = subprocess.Popen(["sleep", "900"], stdin=subprocess.DEVNULL, start_new_session=True,
+                              **spawn_user(SANDBOX_UID if os.geteuid() == 0 else None))
     secret_name = "LOCKSTEP_TEST_FAKE_API_KEY"
     old_secret = os.environ.get(secret_name)
     os.environ[secret_name] = f"sk-{token}"
@@ -223,6 +225,10 @@ def processes() -> dict[int, Proc]:
     return out
 
 
+def _sandbox_uid(uid: int) -> bool:
+    return uid == SANDBOX_UID or uids.in_pool(uid)
+
+
 def leftovers(before: dict[int, Proc], now: dict[int, Proc], marker: str) -> list[Proc]:
     """Processes started by the corpus that are still there: ours (under this test process), any
     with a program's marker in its command line, and any of the sandbox uid that no bubblewrap holds
@@ -237,7 +243,7 @@ def leftovers(before: dict[int, Proc], now: dict[int, Proc], marker: str) -> lis
             chain.append(q)
             q = now.get(q.ppid)
         ours = any(c.pid == me for c in chain) and p.pid != me
-        escaped = os.geteuid() == 0 and p.uid == SANDBOX_UID and not any(c.comm == "bwrap" for c in chain)
+        escaped = os.geteuid() == 0 and _sandbox_uid(p.uid) and not any(c.comm == "bwrap" for c in chain)
         if ours or escaped or marker.encode() in p.cmdline:
             out.append(p)
     return out
@@ -265,7 +271,7 @@ def others_growth_mb(before: dict[int, Proc], now: dict[int, Proc]) -> float:
     uid are never counted as another's: an escaped one would hide here."""
     me, grown = os.getpid(), 0.0
     for p in now.values():
-        if os.geteuid() == 0 and p.uid == SANDBOX_UID:
+        if os.geteuid() == 0 and _sandbox_uid(p.uid):
             continue
         q, chain = p, 0
         while q is not None and q.pid not in (0, 1, me) and chain < 64:

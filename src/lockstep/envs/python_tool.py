@@ -129,8 +129,8 @@ class PythonToolEnv:
     async def _run(self, code: str) -> str:
         from lockstep.sandbox.pool import Session
 
-        if self._session is None:
-            self._session = Session(self.limits)
+        if self._session is None:  # stopped between turns: nothing of it runs while the model writes
+            self._session = Session(self.limits, pause_idle=True)
         if self._replay:
             await self._replay_cells()
         self.calls += 1
