@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from lockstep.envs.code import SHIPPED, Outcome, Problem, run_tests
-from lockstep.sandbox import uids
+from lockstep.sandbox import cgroup, uids
 from lockstep.sandbox.bwrap import SANDBOX_UID, check_available, spawn_user, unsafe
 from lockstep.sandbox.pool import close_pools, pool, run_program_blocking
 from lockstep.sandbox.types import Limits, LimitsError, SandboxUnavailable
@@ -88,7 +88,9 @@ class Host:
                 "@VICTIM_PID@": str(self.victim.pid), "@HOST_PID@": str(os.getpid()), "@HOST_IP@": self.host_ip,
                 "@HOST_HOME@": os.environ.get("HOME", "/root"), "@REPO@": str(REPO),
                 "@MEMORY_MB@": str(LIMITS.memory_mb), "@TMPFS_MB@": str(LIMITS.tmpfs_mb),
-                "@PROCESSES@": str(LIMITS.processes), "@OPEN_FILES@": str(LIMITS.open_files)}
+                "@PROCESSES@": str(LIMITS.processes), "@OPEN_FILES@": str(LIMITS.open_files),
+                "@SANDBOX_MEMORY_MB@": str(cgroup.memory_max_mb(LIMITS)), "@SOLUTIONS@": str(SHIPPED),
+                "@SOLUTIONS_TREE@": str(SHIPPED.parents[3])}
 
     def program(self, path: Path) -> str:
         code = path.read_text()
