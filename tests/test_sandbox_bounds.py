@@ -180,6 +180,22 @@ def test_a_sandbox_cgroup_holds_the_limits_and_is_removed_after(monkeypatch):
     assert not any(d.exists() for d in cg.dirs.values())
 
 
+def test_the_cli_runs_under_cgroups_and_leaves_none_behind():
+    """`lockstep sandbox run` in its own process: the program runs, and once the process has
+    exited no cgroup of its sandboxes is left in any hierarchy."""
+    import subprocess
+    import sys
+
+    need_cgroup()
+    r = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "sandbox", "run", "-", "--json"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = r.communicate("print(6 * 7)", timeout=120)
+    assert r.returncode == 0 and '"stdout": "42\\n"' in out, (out, err)
+    left = [d for parent in set(cgroup.host().parents.values()) if parent.is_dir()
+            for d in parent.iterdir() if d.name.startswith(f"lockstep-{r.pid}-")]
+    assert not left, left
+
+
 def test_without_cgroups_the_fallback_is_said_once_and_keeps_the_rlimits(no_cgroup, caplog):
     with caplog.at_level(logging.WARNING, logger="lockstep.sandbox"):
         for _ in range(3):

@@ -19,11 +19,13 @@ at the root of a cgroup namespace (a container), after moving that root's proces
 (the "no internal processes" rule). Otherwise cgroup v1 (memory and pids hierarchies, cpu and
 freezer when mounted), as on hosts still mounting the v1 controllers. Otherwise no cgroup: the
 rlimits and the memory watch alone, and a warning at start saying why. Sandbox cgroups are made
-under a "lockstep-sandboxes" directory beside or below our own cgroup, and removed after the run.
+in a "lockstep-sandboxes" directory under our own cgroup (v1's cpu: in ours, so that each sandbox
+weighs one process in the scheduler, as before), and removed after the run.
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
 import functools
 import itertools
@@ -73,10 +75,6 @@ class Host:
     """2: one unified directory; 1: one directory per controller hierarchy."""
     parents: dict[str, Path]
     """Controller -> the lockstep-owned parent directory (v2: the same directory for all)."""
-
-    @property
-    def controllers(self) -> tuple[str, ...]:
-        return tuple(self.parents)
 
 
 # -- finding the hierarchies ------------------------------------------------------------------------
@@ -237,15 +235,19 @@ def _v1() -> Host | str:
             if c in options and c in own and c not in parents:
                 d = _join(mount, root, own[c])
                 if d is not None and d.is_dir():
-                    parents[c] = d / PARENT
+                    # cpu: beside us, not in a group of their own, which would give all sandboxes
+                    # together the weight of one process against every other on the host
+                    parents[c] = d if c == "cpu" else d / PARENT
     missing = [c for c in V1_NEED if c not in parents]
     if missing:
         return f"no cgroup v1 hierarchy for {', '.join(missing)} is mounted"
-    try:
-        for d in parents.values():
+    for c, d in list(parents.items()):
+        try:
             _mkdir(d)
-    except OSError as e:
-        return f"cannot create a cgroup v1 directory ({e})"
+        except OSError as e:
+            if c in V1_NEED:
+                return f"cannot create the cgroup v1 directory {d} ({e})"
+            del parents[c]  # cpu or freezer: the sandbox goes without that one
     return Host(1, parents)
 
 
@@ -282,6 +284,27 @@ def _host() -> Host | str:
     return found
 
 
+def _parent(h: Host, d: Path) -> None:
+    """Make a parent directory of sandbox cgroups (v2: handing the controllers down)."""
+    _mkdir(d)
+    if h.version == 2:
+        _enable(d, V2_NEED)
+
+
+@atexit.register
+def _remove_parents() -> None:
+    """Remove our empty "lockstep-sandboxes" directories as this process exits (one another
+    process still uses is not empty, and stays)."""
+    h = _host() if _host.cache_info().currsize else None
+    if isinstance(h, Host) and not os.environ.get(ENV):  # never the operator's directory
+        for d in set(h.parents.values()):
+            if d.name == PARENT:
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
+
+
 def _sweep(h: Host) -> None:
     """Remove sandbox cgroups left by processes that died (empty once their sandboxes died)."""
     for parent in set(h.parents.values()):
@@ -290,8 +313,9 @@ def _sweep(h: Host) -> None:
         except OSError:
             continue
         for d in entries:
-            owner = d.name.split("-", 1)[0]
-            if d.is_dir() and owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            parts = d.name.split("-")
+            if (len(parts) == 4 and parts[0] == "lockstep" and parts[1].isdigit() and d.is_dir()
+                    and not Path(f"/proc/{parts[1]}").exists()):
                 try:
                     d.rmdir()
                 except OSError:
@@ -305,13 +329,17 @@ class SandboxCgroup:
 
     def __init__(self, h: Host, limits: Limits):
         self.host, self.frozen = h, False
-        name = f"{os.getpid()}-{next(_names)}-{secrets.token_hex(3)}"
+        name = f"lockstep-{os.getpid()}-{next(_names)}-{secrets.token_hex(3)}"
         self.dirs = {c: p / name for c, p in h.parents.items()}
         self._unique = list(dict.fromkeys(self.dirs.values()))
         made = []
         try:
             for d in self._unique:
-                d.mkdir()
+                try:
+                    d.mkdir()
+                except FileNotFoundError:  # another process removed the empty parent as it exited
+                    _parent(h, d.parent)
+                    d.mkdir()
                 made.append(d)
             self._limit(limits)
         except OSError as e:

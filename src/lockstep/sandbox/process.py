@@ -172,7 +172,10 @@ class Sandbox:
     def _kill(self) -> tuple[int, float]:
         """SIGKILL the tree; returns (wait status, CPU seconds of everything reaped)."""
         if self._cgroup is not None and self._cgroup.frozen:
-            self._cgroup.thaw()  # a process frozen by cgroup v1 does not die until thawed
+            try:
+                self._cgroup.thaw()  # a process frozen by cgroup v1 does not die until thawed
+            except OSError:
+                pass  # remove() kills what is left
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # bwrap; its PID namespace dies with its init
         except ProcessLookupError:
@@ -221,10 +224,13 @@ class Sandbox:
         if not self.sandboxed or self.paused or not self.alive:
             return
         self.paused = True
-        if self._cgroup is not None and self._cgroup.can_freeze:
-            held = self._cgroup.freeze()
-        else:
-            held = self._init_pid is not None and pause.stop_namespace(self._init_pid)
+        try:
+            if self._cgroup is not None and self._cgroup.can_freeze:
+                held = self._cgroup.freeze()
+            else:
+                held = self._init_pid is not None and pause.stop_namespace(self._init_pid)
+        except OSError:
+            held = False
         if not held:
             self._kill()
 
@@ -232,10 +238,13 @@ class Sandbox:
         if not self.paused:
             return
         self.paused = False
-        if self._cgroup is not None and self._cgroup.frozen:
-            self._cgroup.thaw()
-        elif self._init_pid is not None and self.alive:
-            pause.continue_namespace(self._init_pid)
+        try:
+            if self._cgroup is not None and self._cgroup.frozen:
+                self._cgroup.thaw()
+            elif self._init_pid is not None and self.alive:
+                pause.continue_namespace(self._init_pid)
+        except OSError:
+            self._kill()  # a sandbox that cannot be woken is not half-used: the call sees it exited
 
     def _oom_killed(self) -> bool:
         """Whether the kernel OOM-killed a process of the sandbox since the last look."""
