@@ -205,6 +205,9 @@ class Sandbox:
         else:  # the sandbox's own procfs lists exactly its processes
             base = f"/proc/{init}/root/proc"
             try:
+                root, ours = os.stat(f"/proc/{init}/root"), os.stat("/")
+                if (root.st_dev, root.st_ino) == (ours.st_dev, ours.st_ino):
+                    return 0  # bwrap has not moved into the new root yet: base is still the host's /proc
                 pids = [p for p in os.listdir(base) if p.isdigit()]
             except OSError:
                 return 0
