@@ -81,7 +81,8 @@ def _ro_tree() -> list[str]:
     return args
 
 
-def _grader_paths() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def _grader_paths() -> frozenset[str]:
     """Where the code that grades lives: lockstep's package (envs/data holds the shipped problems'
     solutions) and every site-packages of the environment running it."""
     import lockstep
@@ -90,7 +91,7 @@ def _grader_paths() -> set[str]:
     found |= {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
     if site.ENABLE_USER_SITE:
         found.add(site.getusersitepackages())
-    return {os.path.realpath(p) for p in found}
+    return frozenset(os.path.realpath(p) for p in found)
 
 
 def hidden_paths(trees: list[str]) -> list[str]:

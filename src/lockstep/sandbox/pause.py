@@ -50,12 +50,24 @@ def _stopped(pid: int) -> bool:
     return True
 
 
+def _count_inside(init: int) -> int:
+    """How many processes the sandbox's own procfs lists (the kernel's count: cheap, unforgeable)."""
+    try:
+        return sum(name.isdigit() for name in os.listdir(f"/proc/{init}/root/proc"))
+    except OSError:
+        return -1
+
+
 def stop_namespace(init: int) -> bool:
-    """SIGSTOP every process of the namespace; True once all are seen stopped."""
-    deadline = time.monotonic() + STOP_S
+    """SIGSTOP every process of the namespace; True once all are seen stopped. The host's /proc is
+    scanned again only when the namespace holds processes the last scan did not find."""
+    deadline, pids = time.monotonic() + STOP_S, namespace_pids(init)
     while time.monotonic() < deadline:
-        running = [pid for pid in namespace_pids(init) if not _stopped(pid)]
-        if not running:
+        pids = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+        if _count_inside(init) != len(pids):
+            pids = namespace_pids(init)
+        running = [pid for pid in pids if not _stopped(pid)]
+        if not running and _count_inside(init) == len(pids):
             return True
         for pid in running:
             try:
