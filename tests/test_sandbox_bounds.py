@@ -224,6 +224,42 @@ def test_without_cgroups_the_fallback_is_said_once_and_keeps_the_rlimits(no_cgro
     assert "RESULT 0" in bomb.stdout, bomb  # RLIMIT_NPROC still holds it
 
 
+NOT_ROOT = """
+import logging
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+from lockstep.sandbox import bwrap
+from lockstep.sandbox.pool import Session, run_program_blocking
+from lockstep.sandbox.types import Limits
+bwrap.check_available()
+v = run_program_blocking("import os; print(os.getuid())", Limits())
+s = Session(Limits(), pause_idle=True)
+c = s.cell_blocking("x = 41")
+d = s.cell_blocking("print(x + 1)")
+s.close()
+print("RESULT", v.status, v.stdout.strip(), c.status, d.stdout.strip())
+"""
+
+
+def test_not_root_runs_without_cgroup_or_uid_pool_and_says_why():
+    """As an unprivileged user (uid 65534 here), where the cgroup directories are root's: one
+    warning naming why, programs run, the pause falls back to signals."""
+    import shutil
+    import site
+    import subprocess
+
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not os.access("/usr/bin/python3", os.X_OK):
+        pytest.skip("needs root (to become another user), setpriv and /usr/bin/python3")
+    path = f"{Path(bwrap.__file__).parents[2]}:{site.getsitepackages()[0]}"  # pyseccomp from this venv
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "env", f"PYTHONPATH={path}",
+                        "HOME=/tmp", "/usr/bin/python3", "-c", NOT_ROOT], capture_output=True, text=True,
+                       timeout=120, cwd="/")
+    if "ModuleNotFoundError" in r.stderr or "Permission denied" in r.stderr and "python" in r.stderr:
+        pytest.skip(f"the system python cannot load lockstep as uid 65534 here: {r.stderr[-300:]}")
+    assert r.returncode == 0 and "RESULT ok 65534 ok 42" in r.stdout, (r.stdout, r.stderr)
+    warnings = [line for line in r.stderr.splitlines() if "sandboxes run without a cgroup" in line]
+    assert len(warnings) == 1, r.stderr
+
+
 # -- seccomp ------------------------------------------------------------------------------------------
 def test_socket_families_other_than_unix_are_refused():
     won, v = attack("socket_families")

@@ -209,12 +209,21 @@ def _v2(operator: str) -> Host | str:
             parent = d / PARENT
             _mkdir(parent)
         _enable(parent, V2_NEED)
+        _try_child(parent)
     except OSError as e:
         return f"cannot set up cgroup v2 under {d}: {e}"
     parents = {c: parent for c in V2_NEED}
     if (parent / "cgroup.freeze").exists():  # Linux >= 5.2
         parents["freezer"] = parent
     return Host(2, parents)
+
+
+def _try_child(parent: Path) -> None:
+    """Make and remove a cgroup in `parent` (OSError when we may not: a directory made by root
+    and seen by another user, say)."""
+    probe = parent / f"lockstep-{os.getpid()}-probe-{secrets.token_hex(3)}"
+    probe.mkdir()
+    probe.rmdir()
 
 
 def _mount_root(d: Path) -> Path | None:
@@ -244,6 +253,7 @@ def _v1() -> Host | str:
     for c, d in list(parents.items()):
         try:
             _mkdir(d)
+            _try_child(d)
         except OSError as e:
             if c in V1_NEED:
                 return f"cannot create the cgroup v1 directory {d} ({e})"
