@@ -280,6 +280,8 @@ def _host() -> Host | str:
             found = _v2(setting)
             if isinstance(found, str) and not setting:
                 v1 = _v1()
+                if isinstance(v1, Host):
+                    log.warning("no usable cgroup v2 for sandboxes (%s): they get cgroup v1 ones", found)
                 found = v1 if isinstance(v1, Host) else f"{found}; {v1}"
         except OSError as e:  # an unreadable /proc/self/cgroup or mountinfo
             found = f"cannot read this process's cgroups ({e})"
