@@ -448,3 +448,14 @@ def test_a_pids_cgroup_makes_any_kernel_fine(monkeypatch):
     monkeypatch.setattr(bwrap, "kernel_version", lambda: (4, 19))
     monkeypatch.setattr(uids, "pooled", lambda: False)
     assert bwrap.process_limit_problem() == ""
+
+
+def test_cgroup_paths_under_mounts_of_a_subtree():
+    """/proc/self/cgroup paths map onto mounts whose root is a subtree (a container's bind mount
+    or cgroup namespace), and a path outside the mounted subtree maps to none."""
+    assert cgroup._join("/sys/fs/cgroup", "/", "/a/b") == Path("/sys/fs/cgroup/a/b")
+    assert cgroup._join("/sys/fs/cgroup", "/", "/") == Path("/sys/fs/cgroup")
+    assert cgroup._join("/sys/fs/cgroup/memory", "/docker/x", "/docker/x/y") == Path("/sys/fs/cgroup/memory/y")
+    assert cgroup._join("/sys/fs/cgroup/memory", "/docker/x", "/docker/x") == Path("/sys/fs/cgroup/memory")
+    assert cgroup._join("/sys/fs/cgroup/memory", "/docker/x", "/docker/xy") is None
+    assert cgroup.memory_max_mb(Limits(memory_mb=512, tmpfs_mb=64)) == 512 + 64 + 8 + 64
