@@ -164,8 +164,7 @@ def host():
     (d / "host.sock").chmod(0o777)
     unix_file.listen(16)
     # A host process of the sandboxes' own outer uid: the one a kill or a ptrace could reach.
-    victim = subprocess.Popen(["sleep", "900"], stdin=subprocess.DEVNULL, start_new_session=True,
-                              **spawn_user(SANDBOX_UID if os.geteuid() == 0 else None))
+    victim = subprocess.Popen(["sleep", "900"], stdin=subprocess.DEVNULL, start_new_session=True, **spawn_user())
     secret_name = "LOCKSTEP_TEST_FAKE_API_KEY"
     old_secret = os.environ.get(secret_name)
     os.environ[secret_name] = f"sk-{token}"

@@ -127,10 +127,12 @@ def bwrap_command(argv: list[str], *, tmpfs_mb: int, env: dict[str, str], seccom
     return cmd + ["--", *argv]
 
 
-def spawn_user(uid: int | None) -> dict:
-    """Popen arguments that drop root to `uid` (a lease of the pool; None: nothing, not root)."""
-    if uid is None:
+def spawn_user(uid: int | None = None) -> dict:
+    """Popen arguments that drop root to `uid` (a lease of the pool; None: SANDBOX_UID), nothing
+    when not root."""
+    if os.geteuid() != 0:
         return {}
+    uid = SANDBOX_UID if uid is None else uid
     return {"user": uid, "group": uid, "extra_groups": []}
 
 
