@@ -11,7 +11,7 @@ field, Python that prints the answer, makes the row's warm-up transcript a tool 
 procedural arithmetic that is worth computing (products, sums and remainders of `env.digits`-digit
 numbers, graded exactly).
 
-Between turns the interpreter is stopped (`Session(pause_idle=True)`: its cgroup frozen, or its
+Between turns the interpreter is stopped (`Session(pause_idle=True)`: its cgroup v2 frozen, or its
 processes SIGSTOPped), so nothing a cell left behind runs while the model writes.
 
 Snapshots are the episode's text and the cells that ran; `restore()` replays those cells into a

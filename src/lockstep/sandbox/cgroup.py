@@ -11,13 +11,14 @@ limits are enforced by the kernel at every allocation and fork:
   says limit "memory"). No swap.
 - pids: `limits.processes` + 1 (bwrap's init in the PID namespace), threads included.
 - cpu: CPUS cores' worth of time, whatever the number of threads.
-- freezer: an idle interpreter between two tool calls is frozen (Sandbox.pause).
+- freezer (v2 only): an idle interpreter between two tool calls is frozen (Sandbox.pause); on v1
+  its processes are SIGSTOPped instead, listed by the cgroup.
 
 cgroup v2 is used where its memory, pids and cpu controllers can be had: a directory the operator
 delegated (LOCKSTEP_SANDBOX_CGROUP), our own cgroup when it already hands them down, or, as root
 at the root of a cgroup namespace (a container), after moving that root's processes into a leaf
-(the "no internal processes" rule). Otherwise cgroup v1 (memory and pids hierarchies, cpu and
-freezer when mounted), as on hosts still mounting the v1 controllers. Otherwise no cgroup: the
+(the "no internal processes" rule). Otherwise cgroup v1 (memory and pids hierarchies, cpu when
+mounted), as on hosts still mounting the v1 controllers. Otherwise no cgroup: the
 rlimits and the memory watch alone, and a warning at start saying why. Sandbox cgroups are made
 in a "lockstep-sandboxes" directory under our own cgroup (v1's cpu: in ours, so that each sandbox
 weighs one process in the scheduler, as before), and removed after the run.
@@ -55,7 +56,9 @@ CPUS = 1
 PERIOD_US = 100_000
 V2_NEED = ("memory", "pids", "cpu")
 V1_NEED = ("memory", "pids")
-V1_OPTIONAL = ("cpu", "freezer")
+V1_OPTIONAL = ("cpu",)
+"""No v1 freezer: it holds a frozen task even against SIGKILL, so a sandbox frozen when its owner
+was killed would stay frozen for good (seen: 12 left by a killed test run). v2's lets SIGKILL in."""
 SETTLE_S = 5.0
 """How long removing a sandbox's cgroup waits for its killed processes to be gone."""
 
@@ -257,7 +260,7 @@ def _v1() -> Host | str:
         except OSError as e:
             if c in V1_NEED:
                 return f"cannot create the cgroup v1 directory {d} ({e})"
-            del parents[c]  # cpu or freezer: the sandbox goes without that one
+            del parents[c]  # cpu: the sandbox goes without a CPU bound
     return Host(1, parents)
 
 
@@ -397,27 +400,20 @@ class SandboxCgroup:
 
     @property
     def can_freeze(self) -> bool:
+        """cgroup v2's freezer (Linux >= 5.2), which a fatal signal still gets through."""
         return "freezer" in self.dirs
 
     def freeze(self) -> bool:
         """Stop every process of the sandbox; True once the kernel says all are frozen."""
         d = self.dirs["freezer"]
         self.frozen = True
-        if self.host.version == 2:
-            _write(d / "cgroup.freeze", "1")
-            return _until(lambda: "frozen 1" in (d / "cgroup.events").read_text().splitlines())
-        _write(d / "freezer.state", "FROZEN")
-        return _until(lambda: _read(d / "freezer.state") == "FROZEN")
+        _write(d / "cgroup.freeze", "1")
+        return _until(lambda: "frozen 1" in (d / "cgroup.events").read_text().splitlines())
 
     def thaw(self) -> None:
-        if not self.frozen:
-            return
-        d = self.dirs["freezer"]
-        if self.host.version == 2:
-            _write(d / "cgroup.freeze", "0")
-        else:
-            _write(d / "freezer.state", "THAWED")
-        self.frozen = False
+        if self.frozen:
+            _write(self.dirs["freezer"] / "cgroup.freeze", "0")
+            self.frozen = False
 
     def procs(self) -> list[int]:
         out: set[int] = set()
@@ -431,7 +427,7 @@ class SandboxCgroup:
     def remove(self) -> None:
         """Kill whatever is left in the cgroup, wait for it to be gone, remove the directories."""
         try:
-            self.thaw()  # a v1-frozen process does not die until thawed
+            self.thaw()
         except OSError:
             pass
         deadline = time.monotonic() + SETTLE_S

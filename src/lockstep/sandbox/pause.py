@@ -1,9 +1,11 @@
-"""Stopping a sandbox's processes between calls where it has no cgroup freezer: SIGSTOP to every
-process of its PID namespace, found through the host's /proc (no process can hide from it, and a
-namespace's processes cannot be listed from inside it without trusting them).
+"""Stopping a sandbox's processes between calls where no cgroup v2 freezer can: SIGSTOP to each of
+its processes, and SIGCONT at the next call. A stopped process still dies of SIGKILL, so a sandbox
+stopped when its owner is killed dies with it (a cgroup v1 freezer would keep it frozen for good).
 
-A process not yet stopped may fork or send SIGCONT meanwhile, so the namespace is walked again
-until every thread of every process in it is seen stopped; continue_namespace() undoes it.
+Its processes are listed by its cgroup when it has one (cgroup.procs), else through the host's
+/proc (every process in its PID namespace: none can hide, and none of it is trusted to list
+them). A process not yet stopped may fork or send SIGCONT meanwhile, so the list is taken again
+until every thread of every process on it is seen stopped and it did not grow.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Callable
 
 STOP_S = 5.0
 """How long stopping may take before the caller gives up (and kills the sandbox)."""
+
+Members = Callable[[], list[int]]
 
 
 def namespace_pids(init: int) -> list[int]:
@@ -33,6 +38,24 @@ def namespace_pids(init: int) -> list[int]:
     return out
 
 
+def namespace_members(init: int) -> Members:
+    """The namespace's processes, the host's /proc scanned again only when the sandbox's own
+    procfs (the kernel's count: cheap, unforgeable) lists more than the last scan found."""
+    last: list[int] = []
+
+    def members() -> list[int]:
+        nonlocal last
+        alive = [pid for pid in last if os.path.exists(f"/proc/{pid}")]
+        try:
+            inside = sum(name.isdigit() for name in os.listdir(f"/proc/{init}/root/proc"))
+        except OSError:
+            inside = -1
+        last = alive if inside == len(alive) else namespace_pids(init)
+        return last
+
+    return members
+
+
 def _stopped(pid: int) -> bool:
     """Every thread of `pid` stopped (or gone)."""
     try:
@@ -50,24 +73,13 @@ def _stopped(pid: int) -> bool:
     return True
 
 
-def _count_inside(init: int) -> int:
-    """How many processes the sandbox's own procfs lists (the kernel's count: cheap, unforgeable)."""
-    try:
-        return sum(name.isdigit() for name in os.listdir(f"/proc/{init}/root/proc"))
-    except OSError:
-        return -1
-
-
-def stop_namespace(init: int) -> bool:
-    """SIGSTOP every process of the namespace; True once all are seen stopped. The host's /proc is
-    scanned again only when the namespace holds processes the last scan did not find."""
-    deadline, pids = time.monotonic() + STOP_S, namespace_pids(init)
+def stop(members: Members) -> bool:
+    """SIGSTOP every member; True once all are seen stopped and no new one appeared."""
+    deadline = time.monotonic() + STOP_S
     while time.monotonic() < deadline:
-        pids = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
-        if _count_inside(init) != len(pids):
-            pids = namespace_pids(init)
+        pids = members()
         running = [pid for pid in pids if not _stopped(pid)]
-        if not running and _count_inside(init) == len(pids):
+        if not running and set(members()) <= set(pids):
             return True
         for pid in running:
             try:
@@ -78,8 +90,8 @@ def stop_namespace(init: int) -> bool:
     return False
 
 
-def continue_namespace(init: int) -> None:
-    for pid in namespace_pids(init):
+def resume(members: Members) -> None:
+    for pid in members():
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:

@@ -173,7 +173,7 @@ class Sandbox:
         """SIGKILL the tree; returns (wait status, CPU seconds of everything reaped)."""
         if self._cgroup is not None and self._cgroup.frozen:
             try:
-                self._cgroup.thaw()  # a process frozen by cgroup v1 does not die until thawed
+                self._cgroup.thaw()  # not needed for SIGKILL on v2, but leaves nothing frozen behind
             except OSError:
                 pass  # remove() kills what is left
         try:
@@ -222,20 +222,26 @@ class Sandbox:
     # -- between calls ---------------------------------------------------------------------
     def pause(self) -> None:
         """Stop every process of the sandbox until the next call: between two tool calls nothing
-        watches it, so nothing of it runs (its cgroup frozen, else each process SIGSTOPped). A
+        watches it, so nothing of it runs (its cgroup v2 frozen, else each process SIGSTOPped). A
         sandbox that cannot be held still is killed rather than left running."""
-        if not self.sandboxed or self.paused or not self.alive:
+        if not self.sandboxed or self.paused or not self.alive or self._init_pid is None:
             return
         self.paused = True
         try:
             if self._cgroup is not None and self._cgroup.can_freeze:
                 held = self._cgroup.freeze()
             else:
-                held = self._init_pid is not None and pause.stop_namespace(self._init_pid)
+                held = pause.stop(self._members())
         except OSError:
             held = False
         if not held:
             self._kill()
+
+    def _members(self) -> pause.Members:
+        """The sandbox's processes: its cgroup's list, else its PID namespace's."""
+        if self._cgroup is not None:
+            return self._cgroup.procs
+        return pause.namespace_members(self._init_pid)
 
     def _resume(self) -> None:
         if not self.paused:
@@ -244,8 +250,8 @@ class Sandbox:
         try:
             if self._cgroup is not None and self._cgroup.frozen:
                 self._cgroup.thaw()
-            elif self._init_pid is not None and self.alive:
-                pause.continue_namespace(self._init_pid)
+            elif self.alive:
+                pause.resume(self._members())
         except OSError:
             self._kill()  # a sandbox that cannot be woken is not half-used: the call sees it exited
 
