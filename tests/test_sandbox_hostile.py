@@ -42,6 +42,7 @@ import pytest
 from old_code_judge import run_tests_naive, run_tests_old
 
 from lockstep.envs.code import SHIPPED, Outcome, Problem, run_tests
+from lockstep.sandbox import cgroup, uids
 from lockstep.sandbox.bwrap import SANDBOX_UID, check_available, spawn_user, unsafe
 from lockstep.sandbox.pool import close_pools, pool, run_program_blocking
 from lockstep.sandbox.types import Limits, LimitsError, SandboxUnavailable
@@ -91,7 +92,9 @@ class Host:
                 "@VICTIM_PID@": str(self.victim.pid), "@HOST_PID@": str(os.getpid()), "@HOST_IP@": self.host_ip,
                 "@HOST_HOME@": os.environ.get("HOME", "/root"), "@REPO@": str(REPO),
                 "@MEMORY_MB@": str(LIMITS.memory_mb), "@TMPFS_MB@": str(LIMITS.tmpfs_mb),
-                "@PROCESSES@": str(LIMITS.processes), "@OPEN_FILES@": str(LIMITS.open_files)}
+                "@PROCESSES@": str(LIMITS.processes), "@OPEN_FILES@": str(LIMITS.open_files),
+                "@SANDBOX_MEMORY_MB@": str(cgroup.memory_max_mb(LIMITS)), "@SOLUTIONS@": str(SHIPPED),
+                "@SOLUTIONS_TREE@": str(SHIPPED.parents[3])}
 
     def program(self, path: Path) -> str:
         code = path.read_text()
@@ -227,6 +230,10 @@ def processes() -> dict[int, Proc]:
     return out
 
 
+def _sandbox_uid(uid: int) -> bool:
+    return uid == SANDBOX_UID or uids.in_pool(uid)
+
+
 def leftovers(before: dict[int, Proc], now: dict[int, Proc], marker: str) -> list[Proc]:
     """Processes started by the corpus that are still there: ours (under this test process), any
     with a program's marker in its command line, and any of the sandbox uid that no bubblewrap holds
@@ -241,7 +248,7 @@ def leftovers(before: dict[int, Proc], now: dict[int, Proc], marker: str) -> lis
             chain.append(q)
             q = now.get(q.ppid)
         ours = any(c.pid == me for c in chain) and p.pid != me
-        escaped = os.geteuid() == 0 and p.uid == SANDBOX_UID and not any(c.comm == "bwrap" for c in chain)
+        escaped = os.geteuid() == 0 and _sandbox_uid(p.uid) and not any(c.comm == "bwrap" for c in chain)
         if ours or escaped or marker.encode() in p.cmdline:
             out.append(p)
     return out
@@ -269,7 +276,7 @@ def others_growth_mb(before: dict[int, Proc], now: dict[int, Proc]) -> float:
     uid are never counted as another's: an escaped one would hide here."""
     me, grown = os.getpid(), 0.0
     for p in now.values():
-        if os.geteuid() == 0 and p.uid == SANDBOX_UID:
+        if os.geteuid() == 0 and _sandbox_uid(p.uid):
             continue
         q, chain = p, 0
         while q is not None and q.pid not in (0, 1, me) and chain < 64:

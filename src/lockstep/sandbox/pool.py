@@ -17,6 +17,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
+from lockstep.sandbox import cgroup
 from lockstep.sandbox.bwrap import unsafe
 from lockstep.sandbox.process import Sandbox
 from lockstep.sandbox.types import Limits, SandboxError, Verdict
@@ -99,15 +100,16 @@ class SandboxPool:
             sb.close()
 
 
-_pools: dict[tuple[Limits, bool, str], SandboxPool] = {}
+_pools: dict[tuple[Limits, bool, str, str], SandboxPool] = {}
 _pools_lock = threading.Lock()
 
 
 def pool(limits: Limits, prime: str = "") -> SandboxPool:
     """The pool of sandboxes with these limits, made the way this process makes them now (an
-    operator's LOCKSTEP_SANDBOX_UNSAFE is part of the key: a pooled sandbox is never of the other kind).
-    `prime`: a cell each sandbox runs when started, before it is handed out (trusted code only)."""
-    key = (limits, unsafe(), prime)
+    operator's LOCKSTEP_SANDBOX_UNSAFE and the cgroup set-up are part of the key: a pooled sandbox
+    is never of the other kind). `prime`: a cell each sandbox runs when started, before it is
+    handed out (trusted code only)."""
+    key = (limits, unsafe(), str(cgroup.host()), prime)
     with _pools_lock:
         if key not in _pools:
             _pools[key] = SandboxPool(limits, prime=prime)
@@ -146,8 +148,10 @@ class Session:
     """One episode's interpreter: cells share a namespace. A cell that times out or hits a limit
     kills the interpreter; the owner decides whether to restart it (the tool env replays)."""
 
-    def __init__(self, limits: Limits, prime: str = ""):
-        self.limits, self.prime = limits, prime
+    def __init__(self, limits: Limits, prime: str = "", *, pause_idle: bool = False):
+        self.limits, self.prime, self.pause_idle = limits, prime, pause_idle
+        """pause_idle: stop the interpreter's processes between cells (Sandbox.pause), for owners
+        that leave it idle for long (the tool env, while the model writes its next turn)."""
         self._sb: Sandbox | None = None
 
     @property
@@ -158,7 +162,10 @@ class Session:
         if self._sb is None or not self._sb.alive:
             self.close()
             self._sb = pool(self.limits, self.prime).take()
-        return _call(self._sb, code, "cell", "<cell>")
+        verdict = _call(self._sb, code, "cell", "<cell>")
+        if self.pause_idle:
+            self._sb.pause()
+        return verdict
 
     async def cell(self, code: str) -> Verdict:
         return await asyncio.get_running_loop().run_in_executor(_executor, self.cell_blocking, code)
