@@ -478,35 +478,3 @@ def test_a_forged_manifest_binds_no_builtin_and_no_dunder():
              "assert type(__builtins__).__name__ == 'module' and __name__ == '__main__'", "assert solve() == 'x'"]
     graded = run(FORGED_MANIFEST, tests, entry_point="solve")
     assert graded.passed == (False, False, True, True), graded
-
-
-# -- the memory watch, which two sandboxes per grading (and primed pools) call on just after a start ------
-def test_the_memory_watch_never_sums_the_hosts_processes(monkeypatch):
-    """bwrap reports its init's pid before the init has pivoted into the sandbox's root; until then
-    /proc/INIT/root/proc is the host's /proc, and summing it killed a fresh sandbox's first call as
-    a memory violation (17 of 40 fresh sandboxes showed the host's pids there, at load 20). A watch
-    then reads the sandbox's launcher tree only. Here the init is forced to be a host process (this
-    one): the watch must not count the machine."""
-    _sandbox_or_skip()
-    from lockstep.sandbox.process import Sandbox
-
-    sb = Sandbox(LIMITS)
-    try:
-        assert sb.call("x = 1", mode="cell").ok
-        monkeypatch.setattr(sb, "_init", lambda: os.getpid())
-        assert 0 < sb.tree_rss() < min(_host_rss(), LIMITS.memory_mb << 20)
-    finally:
-        sb.close()
-        close_pools()
-
-
-def _host_rss() -> int:
-    """Resident bytes of every process on this machine (what the broken watch summed)."""
-    total = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/statm") as f:
-                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            pass  # gone meanwhile
-    return total

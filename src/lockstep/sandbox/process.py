@@ -200,14 +200,13 @@ class Sandbox:
         """Resident bytes of every process in the sandbox (0 when they cannot be read)."""
         page, total = resource.getpagesize(), 0
         init = self._init_pid
-        if init is None:
+        if init is not None and not self._pivoted(init):
+            init = None  # bwrap reports its init before pivot_root: /proc/INIT/root/proc is still the host's
+        if init is None:  # the launcher's own process only, never the machine's
             pids, base = [str(self.proc.pid)], "/proc"
         else:  # the sandbox's own procfs lists exactly its processes
             base = f"/proc/{init}/root/proc"
             try:
-                root, ours = os.stat(f"/proc/{init}/root"), os.stat("/")
-                if (root.st_dev, root.st_ino) == (ours.st_dev, ours.st_ino):
-                    return 0  # bwrap has not moved into the new root yet: base is still the host's /proc
                 pids = [p for p in os.listdir(base) if p.isdigit()]
             except OSError:
                 return 0
@@ -218,6 +217,15 @@ class Sandbox:
             except (OSError, ValueError, IndexError):
                 pass
         return total
+
+    @staticmethod
+    def _pivoted(init: int) -> bool:
+        """Whether the sandbox's init has its own root yet."""
+        try:
+            root, ours = os.stat(f"/proc/{init}/root"), os.stat("/")
+        except OSError:
+            return False
+        return (root.st_dev, root.st_ino) != (ours.st_dev, ours.st_ino)
 
     # -- between calls ---------------------------------------------------------------------
     def pause(self) -> None:
