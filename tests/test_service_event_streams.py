@@ -20,7 +20,8 @@ import pytest
 from lockstep.service.app import ServiceConfig, create_app
 from lockstep.service.db import Job, JobEvent, Tenant, connect
 from lockstep.service.jobstate import move
-from lockstep.service.policy import Policy
+from lockstep.service.notifier import JobNotifier
+from lockstep.service.policy import Policy, PolicyError
 from lockstep.service.tenants import create_tenant
 from lockstep.service.types import JobState
 from test_service_metrics import serve_in_thread
@@ -172,7 +173,8 @@ def test_events_arrive_in_order_and_none_is_lost_across_the_notifier(tmp_path):
     """Two streams on each of three jobs, and one joining the first job mid-way from an id; 80
     commits of 1-5 events over the jobs, then each job ends: every stream gets its job's events
     after its start, each once, in id order, then `end`."""
-    svc = Service(tmp_path, {**POLICY, "max_event_streams_total": 100})
+    svc = Service(tmp_path, {**POLICY, "max_event_streams_total": 100, "event_stream_idle_s": 60})  # (a lost
+    # wake-up would end a stream as idle after 60 s, and fail here, rather than hang)
     try:
         _follow_while_writing(svc)
     finally:
@@ -246,3 +248,36 @@ def _connections(proc) -> set:
         return {c.laddr.port for c in psutil.Process(proc.pid).net_connections("tcp") if c.status == "ESTABLISHED"}
     except psutil.NoSuchProcess:
         return set()
+
+
+def test_the_notifier_wakes_a_job_whose_event_commits_after_a_later_id(tmp_path):
+    """On PostgreSQL a transaction can commit an event after another that took a later id. Written
+    here with explicit ids, in that order: the notifier still wakes the first event's job, once."""
+    _, sessions = connect(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    with sessions() as s:
+        tenant, _ = create_tenant(s, "alice")
+        s.add_all([Job(id=j, tenant_id=tenant.id, spec={}) for j in ("a" * 16, "b" * 16)])
+        s.commit()
+    notifier = JobNotifier(sessions, every_s=1)
+    assert notifier.poll() == set()  # the newest id: none yet
+
+    def commit(event_id: int, job_id: str) -> None:
+        with sessions() as s:
+            s.add(JobEvent(id=event_id, job_id=job_id, kind="metrics", data={}))
+            s.commit()
+
+    commit(2, "b" * 16)  # id 1 was taken by a transaction still open
+    assert notifier.poll() == {"b" * 16}
+    commit(1, "a" * 16)
+    assert notifier.poll() == {"a" * 16}
+    assert notifier.poll() == set()
+
+
+def test_the_policy_sets_stream_caps_per_tenant_and_process_settings_only_at_the_top():
+    policy = Policy.from_dict({"max_event_streams": 4, "tenants": {"big": {"max_event_streams": 64}}})
+    assert policy.for_tenant("big").max_event_streams == 64 and policy.for_tenant("other").max_event_streams == 4
+    for key in ("max_event_streams_total", "event_keepalive_s", "event_poll_s"):
+        with pytest.raises(PolicyError, match=f"tenants.big.{key}: a setting of the whole API process"):
+            Policy.from_dict({"tenants": {"big": {key: 5}}})
+    with pytest.raises(PolicyError, match="max_event_streams: expected a number >= 1, got 0"):
+        Policy.from_dict({"max_event_streams": 0})

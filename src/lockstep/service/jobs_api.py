@@ -222,7 +222,8 @@ async def job_events(job_id: str, request: Request, after: int = Query(0, ge=0, 
     limits, top = limits_of(request, t), process_limits(request)
     release = request.app.state.event_slots.acquire(t.id, t.name, cap=limits.max_event_streams,
                                                     total_cap=top.max_event_streams_total)
-    lines = _stream(request, job_id, after, follow, idle_s=limits.event_stream_idle_s, keepalive_s=top.event_keepalive_s)
+    lines = _stream(request, job_id, after, follow, idle_s=limits.event_stream_idle_s,
+                    keepalive_s=top.event_keepalive_s)
     return HeldStream(lines, release, media_type="text/event-stream",
                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
