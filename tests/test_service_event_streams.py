@@ -33,11 +33,13 @@ POLICY = {"max_event_streams": 3, "max_event_streams_total": 5, "event_keepalive
 
 class Service:
     def __init__(self, tmp_path, policy: dict):
-        self.db = f"sqlite:///{tmp_path / 'db.sqlite'}"
+        self.tmp = tmp_path / uuid.uuid4().hex[:8]
+        self.tmp.mkdir()
+        self.db = f"sqlite:///{self.tmp / 'db.sqlite'}"
         _, self.sessions = connect(self.db)
         with self.sessions() as s:
             self.keys = {name: create_tenant(s, name)[1] for name in ("alice", "bob", "carol", "idler")}
-        cfg = ServiceConfig(db_url=self.db, storage_url=str(tmp_path / "storage"), policy=Policy.from_dict(policy))
+        cfg = ServiceConfig(db_url=self.db, storage_url=str(self.tmp / "storage"), policy=Policy.from_dict(policy))
         self.port, self.server = serve_in_thread(create_app(cfg))
         self.url = f"http://127.0.0.1:{self.port}"
         self.client = httpx.Client(base_url=self.url, timeout=60, limits=httpx.Limits(max_connections=50))
@@ -281,3 +283,26 @@ def test_the_policy_sets_stream_caps_per_tenant_and_process_settings_only_at_the
             Policy.from_dict({"tenants": {"big": {key: 5}}})
     with pytest.raises(PolicyError, match="max_event_streams: expected a number >= 1, got 0"):
         Policy.from_dict({"max_event_streams": 0})
+
+
+def test_the_streams_of_one_job_share_one_store_read_per_event(tmp_path, monkeypatch):
+    """Ten streams follow one job; each new event costs one read of the store for all of them (a
+    read per stream would be ten, and the old poll per stream two a second each, events or not)."""
+    from lockstep.service import jobs_api
+
+    reads = []
+    real = jobs_api._events
+    monkeypatch.setattr(jobs_api, "_events", lambda *a: reads.append(a) or real(*a))
+    svc = Service(tmp_path, {**POLICY, "max_event_streams": 10, "max_event_streams_total": 10})
+    try:
+        job = svc.job("alice")
+        streams = [events(svc.open("alice", job)) for _ in range(10)]
+        for k in range(6):
+            [event_id] = svc.write(job, k)
+            for seen in streams:  # every stream has it before the next one is written
+                assert next(e for e in seen if e[0] == "metrics")[1] == event_id
+            if k == 0:
+                reads.clear()  # from here on, all ten wait together for each event
+        assert 5 <= len(reads) <= 10, len(reads)
+    finally:
+        svc.stop()

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 from lockstep.service import doorbell
 from lockstep.service.db import connect
 from lockstep.service.deps import ServiceConfig, db, error_body, tenant_of, validation_message
-from lockstep.service.notifier import JobNotifier, SharedReads, StreamSlots
+from lockstep.service.notifier import JobNotifier, StreamSlots
 from lockstep.service.policy import Policy
 from lockstep.service.prometheus import HttpMetrics, Metrics
 from lockstep.service.storage import Storage
@@ -158,7 +158,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
     app.state.auth_cache = {}
     poll_s = (config.policy or Policy()).limits.event_poll_s
     app.state.notifier = JobNotifier(sessions, every_s=poll_s)  # job event streams (jobs_api.py)
-    app.state.event_reads, app.state.event_slots = SharedReads(), StreamSlots()
+    app.state.event_slots = StreamSlots()
 
     @app.exception_handler(ServiceError)
     async def _service_error(_req, e: ServiceError):

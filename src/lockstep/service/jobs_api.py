@@ -232,14 +232,15 @@ async def _stream(request: Request, job_id: str, cursor: int, follow: bool, *, i
     """The SSE text of a job's events after `cursor`. Reads the store only when the notifier
     says the job changed; each wait is registered before the read it follows, so no event
     committed after a read goes unnoticed."""
-    notifier, reads = request.app.state.notifier, request.app.state.event_reads
-    quiet_since = time.monotonic()
+    notifier = request.app.state.notifier
+    quiet_since, was_woken = time.monotonic(), False
     while True:
-        woken, since = notifier.waiters.wait_for(job_id), reads.stamp()
+        woken, since = notifier.waiters.wait_for(job_id), notifier.since(job_id, was_woken)
         try:
-            state, rows = await reads.read((job_id, cursor), since, partial(_events, request, job_id, cursor))
+            state, rows = await notifier.reads.read((job_id, cursor), since, partial(_events, request, job_id, cursor))
             for cursor, text in rows:
                 yield text
+            was_woken = False
             if len(rows) == PAGE:
                 continue
             if rows:
@@ -257,6 +258,7 @@ async def _stream(request: Request, job_id: str, cursor: int, follow: bool, *, i
                 except asyncio.TimeoutError:
                     if time.monotonic() < quiet_since + idle_s:
                         yield KEEPALIVE
+            was_woken = True
         finally:
             notifier.waiters.forget(job_id, woken)
 
