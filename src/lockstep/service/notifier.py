@@ -57,6 +57,9 @@ class JobNotifier:
         self.sessions, self.every_s = sessions, every_s
         self.waiters = doorbell.Waiters()
         """Job id -> the events its streams wait on."""
+        self.reads = SharedReads()
+        self.woken_at: dict[str, int] = {}
+        """Job id -> the read clock when its streams were last woken (jobs with streams only)."""
         self._last: int | None = None
         self._gaps: dict[int, float] = {}
         """Ids below `_last` not seen yet -> when first missed (monotonic)."""
@@ -75,13 +78,25 @@ class JobNotifier:
         failures = 0
         while True:
             try:
-                for job_id in await run_in_threadpool(self.poll):
-                    self.waiters.wake(job_id)
+                self.wake(await run_in_threadpool(self.poll))
                 failures = 0
             except Exception:  # the store unreachable: streams wait (keep-alives go on), then retry
                 failures += 1
                 log.exception("job notifier: reading new events failed (%d in a row)", failures)
             await asyncio.sleep(min(self.every_s * 2 ** min(failures, 10), 10.0))
+
+    def wake(self, job_ids: set[str]) -> None:
+        self.woken_at = {j: t for j, t in self.woken_at.items() if j in self.waiters}
+        for job_id in job_ids:
+            if job_id in self.waiters:
+                self.woken_at[job_id] = self.reads.stamp()
+                self.waiters.wake(job_id)
+
+    def since(self, job_id: str, woken: bool) -> int:
+        """The read clock a stream's next read must start after: when the notifier woke its job
+        (any event committed before that is in a read started later), or now if it was not woken.
+        Call it when registering the stream's next wait, with no await between."""
+        return self.woken_at.get(job_id, self.reads.stamp()) if woken else self.reads.stamp()
 
     def poll(self) -> set[str]:
         """The jobs with events committed since the last poll (the first poll only takes the newest
@@ -115,8 +130,8 @@ class JobNotifier:
 
 class SharedReads:
     """One read of the store for all the streams of a job at one position. A stream may join a read
-    only if it started after the stream began waiting (`stamp()`): an older read could have missed
-    the event that woke it."""
+    only if it started after `since` (JobNotifier.since): an older read could have missed the event
+    that woke the stream. Streams woken together share the first one's read."""
 
     def __init__(self, concurrency: int = MAX_READS):
         self._slots = asyncio.Semaphore(concurrency)
