@@ -182,7 +182,7 @@ def sdk_session(url: str, key: str, seed: int) -> float:
     for _ in range(5):
         tc.forward_backward(data, "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
-    sampler = tc.save_weights_and_get_sampling_client()
+    sampler = tc.save_weights_and_get_sampling_client().result()
     sampler.sample(prompt=types.ModelInput.from_ints(tok.encode("12+34=")), num_samples=4,
                    sampling_params=types.SamplingParams(max_tokens=8)).result()
     return time.perf_counter() - t

@@ -30,7 +30,7 @@ from lockstep.service.deps import db, tenant_of
 from lockstep.service.datasets import limits_of
 from lockstep.service.db import Dataset, Job, JobEvent, Tenant, Usage, now
 from lockstep.service.jobstate import move
-from lockstep.service.policy import Limits, check_spec, final_model_key, resolve
+from lockstep.service.policy import Limits, Policy, check_spec, final_model_key, resolve
 from lockstep.service.types import JobState, NotFound, Priority, QuotaExceeded, ServiceError, UsageKind
 
 router = APIRouter()
@@ -202,8 +202,6 @@ class HeldStream(StreamingResponse):
 
 def process_limits(request: Request) -> Limits:
     """The policy's top level: the API process's own settings (GLOBAL_ONLY)."""
-    from lockstep.service.policy import Policy
-
     return (request.app.state.config.policy or Policy()).limits
 
 
