@@ -7,7 +7,9 @@ A `lockstep serve` on loopback (SQLite store, one worker). Tenant "streams" foll
 `max_event_streams`), spread over `--jobs` jobs into which the bench writes one metrics event per
 job every `--event-every` seconds, straight into the store, as a running job's tail does (the jobs
 themselves never start: they wait for a retry far in the future, so no job process takes CPU).
-Tenant "sdk" runs SDK sessions: a LoRA training client (rank 4), 5 x (forward_backward of 8 x 24
+Streams start after the newest event (`--from-start`: from each job's first, so that each loaded
+phase also sends every stream the jobs' history, which grows as the bench runs). Tenant "sdk" runs
+SDK sessions: a LoRA training client (rank 4), 5 x (forward_backward of 8 x 24
 tokens + optim_step), a sampler and one 4-sample request. Each round runs one session quiet (no
 stream open) and one loaded (the streams open, checked server-side through /v1/usage), so both
 see the same machine; the medians and their ratio are the result. The API's CPU seconds per
@@ -131,14 +133,14 @@ class Streams:
         self.thread.start()
         self.tasks: list = []
 
-    def open(self, count: int | None = None) -> None:
-        self.tasks += [asyncio.run_coroutine_threadsafe(self._one(self.jobs[i % len(self.jobs)]), self.loop)
+    def open(self, after: int, count: int | None = None) -> None:
+        self.tasks += [asyncio.run_coroutine_threadsafe(self._one(self.jobs[i % len(self.jobs)], after), self.loop)
                        for i in range(self.count if count is None else count)]
 
-    async def _one(self, job: str) -> None:
+    async def _one(self, job: str, after: int) -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
-        writer.write(f"GET /v1/jobs/{job}/events?follow=true HTTP/1.1\r\nHost: x\r\nX-API-Key: {self.key}\r\n\r\n"
-                     .encode())
+        writer.write(f"GET /v1/jobs/{job}/events?follow=true&after={after} HTTP/1.1\r\nHost: x\r\n"
+                     f"X-API-Key: {self.key}\r\n\r\n".encode())
         status = int((await reader.readline()).split()[1])
         self.statuses.append(status)
         try:
@@ -194,19 +196,30 @@ def api_cpu(proc: subprocess.Popen) -> float:
     return times.user + times.system
 
 
-def measure(url: str, keys: dict, proc: subprocess.Popen, streams: Streams, rounds: int, new: bool) -> dict:
+def newest_event(db: str) -> int:
+    from sqlalchemy import func, select
+
+    from lockstep.service.db import JobEvent, connect
+
+    _, sessions = connect(db)
+    with sessions() as s:
+        return s.scalar(select(func.max(JobEvent.id)))
+
+
+def measure(url: str, keys: dict, proc: subprocess.Popen, streams: Streams, *, db: str, rounds: int, new: bool,
+            from_start: bool) -> dict:
     quiet, loaded, cpu = [], [], {"quiet": [], "loaded": []}
     sdk_session(url, keys["sdk"], seed=99)  # warm-up: the worker's first model, the SDK's imports
     for r in range(rounds):
         c0, t0 = api_cpu(proc), time.monotonic()
         quiet.append(sdk_session(url, keys["sdk"], seed=r))
         cpu["quiet"].append((api_cpu(proc) - c0) / (time.monotonic() - t0))
-        streams.open()
+        streams.open(after=0 if from_start else newest_event(db))
         wait_until(lambda: len(streams.statuses) == streams.count, "every stream's answer")
         assert set(streams.statuses) == {200}, streams.statuses
         if new:
             wait_until(lambda: open_streams(url, keys["streams"]) == streams.count, "the server to count the streams")
-            streams.open(1)
+            streams.open(after=0, count=1)
             wait_until(lambda: len(streams.statuses) == streams.count + 1, "the extra stream's answer")
             assert streams.statuses[-1] == 429, streams.statuses[-1]  # the cap holds
         c0, t0 = api_cpu(proc), time.monotonic()
@@ -228,6 +241,8 @@ def main() -> None:
     ap.add_argument("--event-every", type=float, default=1.0, help="seconds between a job's events")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--old-src", help="serve from this src directory instead (the code before the notifier)")
+    ap.add_argument("--from-start", action="store_true", help="streams start from each job's first event (each "
+                    "loaded phase then also sends every stream the jobs' whole history); default: from the newest")
     a = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="lockstep-bench-streams-"))
     policy = None
@@ -240,12 +255,13 @@ def main() -> None:
     writer.thread.start()
     streams = Streams(url, keys["streams"], [*writer.jobs], a.streams)
     try:
-        result = measure(url, keys, proc, streams, a.rounds, new=not a.old_src)
+        result = measure(url, keys, proc, streams, db=db, rounds=a.rounds, new=not a.old_src, from_start=a.from_start)
     finally:
         writer.stop.set()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
     row = {"code": "old (a poll per stream)" if a.old_src else "notifier", "streams": a.streams, "jobs": a.jobs,
+           "from_start": a.from_start,
            "event_every_s": a.event_every, "rounds": a.rounds,
            **{k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()},
            "events_written": writer.written, "stream_bytes_received": streams.received}

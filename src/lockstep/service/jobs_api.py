@@ -252,8 +252,9 @@ async def _stream(request: Request, job_id: str, cursor: int, follow: bool, *, i
                     yield _sse("idle", {"after": cursor, "idle_seconds": idle_s, "state": state})
                     return
                 try:
-                    await asyncio.wait_for(woken.wait(), min(keepalive_s, left))
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(min(keepalive_s, left)):  # (no task per wait, as wait_for makes)
+                        await woken.wait()
+                except TimeoutError:
                     if time.monotonic() < quiet_since + idle_s:
                         yield KEEPALIVE
             was_woken = True
