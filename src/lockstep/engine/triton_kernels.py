@@ -38,15 +38,17 @@ a few ulp from the correctly rounded value); divisions and square roots that the
 out are IEEE round-to-nearest (div_rn, sqrt_rn). Results therefore match a torch reference to a
 tolerance, and match themselves bit for bit across batch shapes.
 
-The interpreter (TRITON_INTERPRET=1, CPU tensors, used by the tests) changes two things, both
-behind the module constant _INTERPRETER (a tl.constexpr) and both there to give the GPU's bits:
-its tl.dot is wrong on bf16 tiles, so 16-bit tiles go into tl.dot as fp32 (_dot_in; exact, as a
-bf16 product is exact in fp32), and its fp32 -> bf16 cast truncates, so bf16 results are rounded
-to nearest even by hand (_round). On a GPU tl.dot gets the 16-bit tiles (tensor cores, fp32
-accumulation) and the cast is the hardware's round-to-nearest-even. The persistent matmul's
-program count is the SM count on a GPU and _INTERPRETER_PROGRAMS under the interpreter (the grid
-never changes a bit). The interpreter's exp, log and dot are numpy's, so its bits are not the
-GPU's; only the invariances carry over.
+The interpreter (TRITON_INTERPRET=1, CPU tensors, used by the tests) changes three things, all
+behind the module constant _INTERPRETER (a tl.constexpr): its tl.dot is wrong on bf16 tiles, so
+16-bit tiles go in as fp32 (_dot_in; exact, as a bf16 product is exact in fp32); its fp32 -> bf16
+cast truncates, so bf16 results are rounded to nearest even by hand (_round); and its tl.dot is
+numpy's matmul, whose BLAS can give a row other bits at another position in the tile, so _dot
+sums the products itself there (the invariance rule must hold under the interpreter too). On a
+GPU tl.dot gets the 16-bit tiles (tensor cores, fp32 accumulation) and the cast is the
+hardware's round-to-nearest-even. The persistent matmul's program count is the SM count on a GPU
+and _INTERPRETER_PROGRAMS under the interpreter (the grid never changes a bit). The interpreter's
+exp, log and products are numpy's, so its bits are not the GPU's; only the invariances carry
+over.
 """
 
 from __future__ import annotations
@@ -93,6 +95,19 @@ def _dot_in(tile):
         return tile.to(tl.float32)
     else:
         return tile
+
+
+@triton.jit
+def _dot(a, b, acc):
+    """acc + a @ b, fp32 accumulation. On a GPU: tl.dot (16-bit tiles on the tensor cores, fp32 tiles
+    in IEEE fp32, no TF32). Interpreter only: the products summed over K with numpy's reduction,
+    not tl.dot's np.matmul, whose BLAS gives a row other bits at another position in the tile on
+    some CPUs (OpenBLAS's kernels on an AMD EPYC: rows 6-11 of every 12 differ from rows 0-5 in
+    the last bit), which would make a row's result depend on where the batch puts it."""
+    if _INTERPRETER:
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+    else:
+        return tl.dot(a, b, acc, input_precision="ieee")
 
 
 @triton.jit
@@ -148,7 +163,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, sxk, swn, swk, sym,
             a = tl.load(x_rows + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
             b = tl.load(w_cols + kk[:, None] * swk, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
             # "ieee" matters for fp32 tiles only (no TF32); 16-bit tiles take the tensor cores.
-            acc = tl.dot(_dot_in(a), _dot_in(b), acc, input_precision="ieee")
+            acc = _dot(_dot_in(a), _dot_in(b), acc)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         y = y_ptr + rm.to(tl.int64)[:, None] * sym + rn.to(tl.int64)[None, :] * syn
@@ -433,7 +448,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, lse_ptr, T, L, G, Hkv
         v = tl.load(v_base + j.to(tl.int64)[:, None] * svl + d[None, :], mask=j_ok[:, None] & d_ok[None, :],
                     other=0.0)
         visible = j[None, :] <= pos[:, None]
-        s = tl.where(visible, tl.dot(q, _dot_in(kt), input_precision="ieee") * scale, float("-inf"))
+        s = tl.where(visible, _dot(q, _dot_in(kt), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)) * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A block with nothing visible to a row must leave it exactly unchanged: alpha exactly 1
         # (not exp(0), which an approximate exp need not return exactly), p exactly 0.
@@ -441,7 +456,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, lse_ptr, T, L, G, Hkv
         p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, 1)
         pv = _dot_in(_round(p, v.dtype))  # p in the values' dtype, as flash attention does
-        acc = acc * alpha[:, None] + tl.dot(pv, _dot_in(v), input_precision="ieee")
+        acc = _dot(pv, _dot_in(v), acc * alpha[:, None])
         m_i = m_new
     out = tl.div_rn(acc, l_i[:, None])
     o_rows = o_ptr + ((b * T + t).to(tl.int64) * (Hkv * G) + head)[:, None] * D
