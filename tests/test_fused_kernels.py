@@ -186,3 +186,34 @@ def test_keys_a_query_does_not_see_never_reach_its_gradient_even_when_they_score
         assert all(torch.isfinite(g).all() for g in (qq.grad, kk.grad, vv.grad))
         grads.append(qq.grad[:, 0])
     assert torch.equal(grads[0], grads[1])
+
+
+X86_CPUINFO = """processor\t: {cpu}
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 106
+model name\t: Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz
+cpu MHz\t\t: {mhz}
+flags\t\t: fpu sse sse2 avx avx2 fma {extra}
+bogomips\t: 5800.00
+"""
+
+
+def cpuinfo(extra: str, mhz: str = "2900.000") -> str:
+    """A two-processor /proc/cpuinfo; the second processor never decides the tag."""
+    return "\n".join(X86_CPUINFO.format(cpu=i, mhz=mhz, extra=extra) for i in range(2))
+
+
+def test_the_build_tag_tells_apart_cpus_that_share_a_model_name_but_not_its_instruction_sets(monkeypatch):
+    """A shared kernels directory across hosts: a VM that masks AVX-512 reports the same model
+    name as the host that has it, and a build for the host would die with SIGILL in the VM."""
+    from lockstep.engine import kernels
+
+    def tag_for(text: str) -> str:
+        monkeypatch.setattr(kernels, "_read_cpuinfo", lambda: text)
+        return kernels.tag()
+
+    with_avx512 = tag_for(cpuinfo("avx512f avx512bw avx512vl"))
+    assert tag_for(cpuinfo("")) != with_avx512
+    # What does not change the code the compiler emits keeps the tag (no rebuild per clock speed).
+    assert tag_for(cpuinfo("avx512f avx512bw avx512vl", mhz="1200.331")) == with_avx512
