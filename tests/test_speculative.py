@@ -176,6 +176,38 @@ def test_a_failing_drafter_degrades_to_plain_decoding(where, model_tok):
     assert fast.spec_stats.drafter_errors == 1 and fast.spec_stats.plain_fallbacks == 1
 
 
+class _OutOfVocabulary(_FixedDraft):
+    """Proposes, in turn, ids past the vocabulary, negative ids, floats and bools, and a valid
+    draft; counts the bad proposals it made."""
+
+    def __init__(self, vocab_size):
+        super().__init__(7)
+        self.bad = [[vocab_size], [vocab_size + 1000, 7], [-1], [7.0], [True], [2**70]]
+        self.calls = self.bad_made = 0
+
+    def propose(self, row, k):
+        self.calls += 1
+        turn = self.calls % (len(self.bad) + 1)
+        if turn == len(self.bad) or k == 0:
+            return super().propose(row, k)
+        self.bad_made += 1
+        return self.bad[turn]
+
+
+def test_draft_ids_outside_the_vocabulary_are_dropped_and_counted(model_tok):
+    """A drafter's id must not reach the embedding unchecked: id >= vocab size would fail the whole
+    call, a negative one index another token's row. Such a draft is dropped for that row and step
+    (counted); the outputs stay plain decoding's and valid drafts still run."""
+    model, tok = model_tok
+    reqs = _requests(tok, n_prompts=2, samples=2, max_tokens=12, stop=())
+    drafter = _OutOfVocabulary(model.config.vocab_size)
+    fast = Sampler(model, tok, drafter=drafter, draft_tokens=2)
+    assert [r.sequences for r in fast.sample(reqs)] == [r.sequences for r in Sampler(model, tok).sample(reqs)]
+    st = fast.spec_stats
+    assert drafter.bad_made > 0 and st.invalid_drafts == drafter.bad_made
+    assert st.drafted > 0 and st.drafter_errors == 0 and st.plain_fallbacks == 0
+
+
 class _Hangs(_FixedDraft):
     """Hangs (far past the sampler's timeout) on its `at`-th proposal, then answers again."""
 

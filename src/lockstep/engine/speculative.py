@@ -18,6 +18,7 @@ looks past a query's own position, so they were invisible anyway).
 from __future__ import annotations
 
 import concurrent.futures
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,8 @@ class SpecStats:
     """Decode steps that `auto` ran without drafts (speculation did not pay)."""
     drafter_timeouts: int = 0
     """Drafter calls abandoned past the sampler's draft timeout (also counted in drafter_errors)."""
+    invalid_drafts: int = 0
+    """Row drafts refused because they held something other than token ids in [0, vocab size)."""
 
     @property
     def acceptance(self) -> float:
@@ -53,20 +56,45 @@ class SpecStats:
         return self.accepted / self.row_verifies if self.row_verifies else 0.0
 
 
-def draft_block(session, rows: list[int], budgets: list[int], k: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(drafts (R, k), lengths (R,)): each row's proposal, at most its budget, padded with `pad`."""
+def draft_block(session, rows: list[int], budgets: list[int], k: int, pad: int,
+                vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(drafts (R, k), lengths (R,), refused): each row's proposal, at most its budget, padded with
+    `pad`. A proposal holding anything but token ids in [0, vocab_size) is refused whole (the row
+    drafts nothing this step) and counted in `refused`: fed to the verify forward, an id past the
+    vocabulary would index outside the embedding and fail the whole call, a negative one would
+    wrap around to another token's row."""
     out = torch.full((len(rows), k), pad, dtype=torch.long)
     lengths = torch.zeros(len(rows), dtype=torch.long)
     if hasattr(session, "draft"):  # a batched drafter (a model): every row in one call
         proposals = session.draft(rows, budgets, k)
     else:
         proposals = [session.propose(r, min(k, budget)) for r, budget in zip(rows, budgets)]
+    refused = 0
     for i, (d, budget) in enumerate(zip(proposals, budgets)):
-        d = list(d)[: min(k, budget)]
-        if d:
-            out[i, : len(d)] = torch.tensor(d, dtype=torch.long)
-            lengths[i] = len(d)
-    return out, lengths
+        ids = token_ids(list(d)[: min(k, budget)], vocab_size)
+        if ids is None:
+            refused += 1
+        elif ids:
+            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            lengths[i] = len(ids)
+    return out, lengths, refused
+
+
+def token_ids(draft: list, vocab_size: int) -> list[int] | None:
+    """The draft as ints, or None if any entry is not an integer id in [0, vocab_size) (a bool or a
+    float is a drafter's bug, not an id)."""
+    ids = []
+    for t in draft:
+        if isinstance(t, bool):
+            return None
+        try:
+            t = operator.index(t)  # ints, NumPy and 0-d torch integers; never a float
+        except TypeError:
+            return None
+        if not 0 <= t < vocab_size:
+            return None
+        ids.append(t)
+    return ids
 
 
 def rollback(cache, positions_R: torch.Tensor, fed_until_R: torch.Tensor) -> None:
@@ -201,10 +229,11 @@ class DraftLink:
             for row, run in zip(rows, runs):
                 self.session.append(row, run)
 
-    def draft(self, rows: list[int], budgets: list[int], k: int, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, rows: list[int], budgets: list[int], k: int, vocab_size: int,
+              pad: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
         def go():
             self._flush()
-            return draft_block(self.session, rows, budgets, k, pad)
+            return draft_block(self.session, rows, budgets, k, pad, vocab_size)
 
         return self.guard.call(go)
 
