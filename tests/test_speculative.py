@@ -3,6 +3,10 @@ never change what is sampled, nor a logprob; the cache after a rejection is as i
 tokens had never been fed; a failing drafter only costs speed."""
 
 import math
+import subprocess
+import sys
+import textwrap
+import threading
 import time
 
 import pytest
@@ -239,6 +243,64 @@ def test_a_hung_drafter_is_abandoned_and_restarted(model_tok):
     assert st.drafted > drafted and st.drafter_timeouts == 1  # restarted: it drafts again
     with pytest.raises(EngineError, match="draft_timeout must be a positive number"):
         Sampler(model, tok, drafter=_FixedDraft(7), draft_timeout=0)
+
+
+class _HangsForGood(_FixedDraft):
+    """Every proposal blocks until the test releases it."""
+
+    def __init__(self):
+        super().__init__(7)
+        self.release = threading.Event()
+
+    def propose(self, row, k):
+        self.release.wait()
+        return super().propose(row, k)
+
+
+def _drafter_threads() -> set:
+    return {t for t in threading.enumerate() if t.name.startswith("drafter")}
+
+
+def test_drafts_that_hang_for_good_leave_a_bounded_number_of_threads(model_tok):
+    """Every sample() call's first draft hangs past the timeout: each call decodes plainly, and
+    however many calls time out, at most MAX_ABANDONED abandoned drafter threads run (later calls
+    are refused at once instead of starting another). Released, they end, and drafting resumes."""
+    model, tok = model_tok
+    reqs = _requests(tok, n_prompts=1, samples=2, max_tokens=6, stop=())
+    want = [r.sequences for r in Sampler(model, tok).sample(reqs)]
+    before = _drafter_threads()
+    drafter = _HangsForGood()
+    fast = Sampler(model, tok, drafter=drafter, draft_tokens=2, draft_timeout=0.05)
+    calls = 2 * spec.MAX_ABANDONED + 2
+    try:
+        for _ in range(calls):
+            assert [r.sequences for r in fast.sample(reqs)] == want
+        st = fast.spec_stats
+        assert st.drafter_timeouts == st.plain_fallbacks == calls
+        stuck = _drafter_threads() - before
+        assert len(stuck) <= spec.MAX_ABANDONED and all(t.daemon for t in stuck)
+    finally:
+        drafter.release.set()  # whatever failed, the hung calls end (and this process can exit)
+    for t in stuck:
+        t.join()
+    assert [r.sequences for r in fast.sample(reqs)] == want and st.drafted > 0  # drafting again
+    fast.close()
+    assert _drafter_threads() - before == set()
+
+
+def test_a_drafter_hung_for_good_does_not_keep_the_process_from_exiting():
+    code = textwrap.dedent("""
+        import threading
+        from lockstep.engine.speculative import DraftGuard, DrafterTimeout
+        guard = DraftGuard(0.05)
+        try:
+            guard.call(threading.Event().wait)  # never set: this call never returns
+        except DrafterTimeout:
+            print("timed out", flush=True)
+    """)
+    # The timeout only bounds a failure (the old non-daemon worker blocked exit for ever).
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == "timed out\n", r.stderr
 
 
 def test_hot_swap_with_speculation_keeps_every_logprob_exact(qwen2_dir):

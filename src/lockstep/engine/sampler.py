@@ -223,6 +223,10 @@ class Sampler:
         positions = torch.tensor([len(requests[i].prompt) for i in owner])
         return _Rows(torch.arange(len(owner)), params, positions, cache.select(idx))
 
+    def close(self) -> None:
+        """Stop the drafter's worker thread (a sampler dropped without this stops it when collected)."""
+        self.draft_guard.close()
+
     def speculation_stats(self) -> dict:
         """SpecStats' counters, and a learning drafter's own (draft version, the policy version it
         learned from, its training steps)."""
