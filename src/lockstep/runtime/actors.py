@@ -141,18 +141,18 @@ class TrainerActor:
 
         parts = micro_split(data, self.micro)
         refs = [h.step.remote(parts, loss, loss_config, adam) for h in self.helpers]
+        mine: list | Exception
         try:
             mine = [(o.metrics, o.loss_fn_outputs) for o in self.dp.forward_backward(parts, loss, loss_config)]
-        finally:
-            try:
-                theirs = [r for ref in refs for r in ray.get(ref)]  # never leave a replica's call behind
-            except ray.exceptions.RayActorError:
-                # A replica is gone, and with it the process group: this trainer cannot step again.
-                # Ending this process makes Ray restart it (with new replicas), which the controller
-                # sees as a lost trainer and answers by rolling back to the last checkpoint.
-                warnings.warn("a trainer replica died; restarting the trainer and its replicas")
-                os._exit(70)
-        done = mine + theirs  # contiguous shares in rank order: micro-batch order
+        except Exception as e:  # noqa: BLE001 - raised below, once every replica's call is back
+            mine = e
+        outcomes = [mine, *_replica_outcomes(refs)]  # never leave a replica's call behind
+        failed = [o for o in outcomes if isinstance(o, Exception)]
+        if failed:  # every rank failed the step: raise the error of the rank where it failed
+            from lockstep.engine.data_parallel import PeerFailed, PeerRefused
+
+            raise next((e for e in failed if not isinstance(e, (PeerFailed, PeerRefused))), failed[0])
+        done = [part for o in outcomes for part in o]  # contiguous shares in rank order: micro-batch order
         weights = [float(sum((d.loss_fn_inputs["weights"] > 0).sum() for d in part)) for part in parts]
         metrics = merge_metrics([(m, w) for (m, _), w in zip(done, weights)])
         return metrics, [o for _, outs in done for o in outs]
@@ -214,6 +214,23 @@ class TrainerReplica:
 
     def set_threads(self, n: int) -> None:
         _set_threads(n)
+
+
+def _replica_outcomes(refs) -> list:
+    """Each replica's step() result, or the exception it raised, in rank order."""
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref))
+        except ray.exceptions.RayActorError:
+            # A replica is gone, and with it the process group: this trainer cannot step again.
+            # Ending this process makes Ray restart it (with new replicas), which the controller
+            # sees as a lost trainer and answers by rolling back to the last checkpoint.
+            warnings.warn("a trainer replica died; restarting the trainer and its replicas")
+            os._exit(70)
+        except ray.exceptions.RayTaskError as e:  # as raised, an instance of the replica's own error too
+            out.append(e)
+    return out
 
 
 def _free_port() -> int:
