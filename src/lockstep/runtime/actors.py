@@ -84,6 +84,9 @@ class TrainerActor:
         self.incarnation = uuid.uuid4().hex
         self.state_lost = _reconstructed()
         """True after a restart until load_state or start_fresh: the base weights are not the run's."""
+        self.lineage = uuid.uuid4().hex
+        """The branch of training these weights are on: new at every start_fresh and load_state, so
+        after a rollback a version number met again names other weights (see publish)."""
         self.micro, self.helpers, self.dp = micro_batches, [], None
         if replicas > 1 or micro_batches > 1:
             self._start_replicas(replicas, replica_cpus, replica_gpus,
@@ -113,6 +116,7 @@ class TrainerActor:
     def start_fresh(self) -> None:
         """The run starts from the base model: the weights this incarnation loaded are the ones."""
         self.state_lost = False
+        self.lineage = uuid.uuid4().hex
 
     def train(self, data, loss: str, adam: dict, loss_config: dict | None = None,
               sampled_from: list[int] | None = None) -> dict:
@@ -157,11 +161,13 @@ class TrainerActor:
         metrics = merge_metrics([(m, w) for (m, _), w in zip(done, weights)])
         return metrics, [o for _, outs in done for o in outs]
 
-    @ray.method(num_returns=2)
-    def publish(self) -> tuple[int, dict[str, np.ndarray]]:
-        """(version, weights); returned through the object store, so readers map it zero-copy."""
+    @ray.method(num_returns=3)
+    def publish(self) -> tuple[int, str, dict[str, np.ndarray]]:
+        """(version, lineage, weights); returned through the object store, so readers map it
+        zero-copy. A version alone does not name the weights: a rollback to a checkpoint trains
+        the same versions again, so a replica compares (version, lineage)."""
         self._require_state()
-        return self.trainer.step, self.trainer.weights_numpy()
+        return self.trainer.step, self.lineage, self.trainer.weights_numpy()
 
     def save_state(self, path: str, data_position) -> str:
         self._require_state()
@@ -172,6 +178,7 @@ class TrainerActor:
         self.trainer.load_state(path)
         ray.get([h.load_state.remote(path) for h in self.helpers])  # every replica holds the same state
         self.state_lost = False
+        self.lineage = uuid.uuid4().hex
         return self.trainer.data_position
 
     def export(self, path: str) -> str:
@@ -279,13 +286,17 @@ class GeneratorActor:
         self.incarnation = uuid.uuid4().hex
         self.weights_lost = _reconstructed()
         """True after a restart until set_weights: the base weights are not the policy's."""
+        self.lineage: str | None = None
+        """The trainer's branch (TrainerActor.lineage) of the weights in use; None: the base model
+        as loaded, of no branch yet."""
 
     @ray.method(concurrency_group="weights")
-    def set_weights(self, version: int, weights: dict, published_at: float) -> None:
+    def set_weights(self, version: int, weights: dict, published_at: float, lineage: str | None) -> None:
         """Park weights for the next decode step. The controller orders its calls, so the last
-        call is always the newest weights (after a rollback to a checkpoint, a lower version)."""
+        call is always the newest weights (after a rollback to a checkpoint, a lower version, or
+        the same version again on the new branch: `lineage` tells them apart)."""
         with self._cond:
-            self._pending = (version, weights, published_at)
+            self._pending = (version, lineage, weights, published_at)
             self.weights_lost = False
             self._cond.notify_all()
 
@@ -295,15 +306,17 @@ class GeneratorActor:
         with self._cond:
             pending, self._pending = self._pending, None
             self._cond.notify_all()
-        if pending is None or pending[0] == self.sampler.policy_version:
+        # The version alone is not enough: parked weights overwritten while idle (v0 after a
+        # rollback, then v1 of the new branch) would meet the discarded branch's v1 in use.
+        if pending is None or pending[:2] == (self.sampler.policy_version, self.lineage):
             return False
-        version, weights, published_at = pending
+        version, lineage, weights, published_at = pending
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only shared-memory arrays: we never write to them
             for name, p in self.params.items():  # on a GPU replica, one host-to-device copy
                 w = torch.from_numpy(weights[name])
                 p.data = w if p.device.type == "cpu" else w.to(p.device)
-        self.sampler.policy_version = version
+        self.sampler.policy_version, self.lineage = version, lineage
         self.swap_latency_s.append(time.time() - published_at)
         return True
 
@@ -390,7 +403,8 @@ class GeneratorActor:
     @ray.method(concurrency_group="weights")
     def stats(self) -> dict:
         lat, stalls = self.swap_latency_s, self.stalls_s
-        return {"version": self.sampler.policy_version, "busy_s": self.busy_s, "incarnation": self.incarnation,
+        return {"version": self.sampler.policy_version, "lineage": self.lineage, "busy_s": self.busy_s,
+                "incarnation": self.incarnation,
                 "swap_latency_s_max": max(lat) if lat else 0.0, "swap_latency_s_last": lat[-1] if lat else 0.0,
                 "swaps": len(lat), "stalls": len(stalls), "stall_s_max": max(stalls) if stalls else 0.0,
                 "stall_s_sum": sum(stalls), "requests": self.requests, "sampling": self._sampling, "held": self._held,
