@@ -34,7 +34,7 @@ def test_cli_surface_is_frozen():
         # the worker's bounds, on `worker` and on `serve` (for the worker it starts)
         *(f"{cmd} --{flag}" for cmd in ("serve", "worker") for flag in (
             "max-attempts", "max-models", "max-samplers", "fetch-cache-mb", "janitor-every", "session-ttl",
-            "speculative", "draft-tokens", "device", "dtype")),
+            "speculative", "draft-tokens", "device", "dtype", "job-memory")),
         "serve --persist-every",
         "tenants --help/-h", "tenants create --help/-h", "tenants create --db", "tenants create --json",
         "tenants create --max-jobs", "tenants create --max-models",

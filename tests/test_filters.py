@@ -58,11 +58,18 @@ def test_datums_carry_group_centred_advantages_and_sampler_logprobs():
     assert np.allclose(d2.loss_fn_inputs["advantages"], [0, 0, -0.5, -0.5])
     assert np.allclose(d1.loss_fn_inputs["logprobs"], [0, 0, -0.5, -0.25])
     assert list(d1.loss_fn_inputs["weights"]) == [0, 0, 1, 1]
+    # gspo's sequence ratio over the sampled tokens only (all ones would take in the prompt, whose
+    # logprobs are padded with 0): so a job's gspo stage has every input the loss needs
+    assert list(d1.loss_fn_inputs["sequence_ratio_mask"]) == [0, 0, 1, 1]
+    from lockstep.losses import LOSSES, missing_input
+
+    assert all(missing_input(loss, {}, [d.loss_fn_inputs for d in (d1, d2)]) is None for loss in LOSSES)
 
 
 def test_env_inserted_tokens_carry_no_loss():
     (d1, _), _ = to_datums([group("m", [1, 0], sampled=(True, False))])
     assert list(d1.loss_fn_inputs["weights"]) == [0, 0, 1, 0]
+    assert list(d1.loss_fn_inputs["sequence_ratio_mask"]) == [0, 0, 1, 0]
     assert np.allclose(d1.loss_fn_inputs["advantages"], [0, 0, 0.5, 0])
     assert np.allclose(d1.loss_fn_inputs["logprobs"], [0, 0, -0.5, 0])
 

@@ -255,13 +255,13 @@ def test_correction_keys_are_stripped_from_inner_config():
 
 @pytest.mark.parametrize("cap", [0.0, -1.0])
 def test_tis_cap_must_be_positive(cap):
-    with pytest.raises(LossError, match="tis_cap must be a number > 0"):
+    with pytest.raises(LossError, match=r"loss_fn_config\['tis_cap'\] must be a number in \(0, 1e6\]"):
         compute_loss("importance_sampling", make_inputs(), {"tis_cap": cap})
 
 
 def test_mis_band_must_be_ordered():
     with pytest.raises(LossError, match="mis_low must be < mis_high"):
-        compute_loss("ppo", make_inputs(), {"mis_low": 1.5, "mis_high": 0.5})
+        compute_loss("ppo", make_inputs(), {"mis_low": 1.0, "mis_high": 1.0})  # each in range, the band empty
 
 
 # --- registry and validation -------------------------------------------------------------------
@@ -317,7 +317,7 @@ def test_cross_entropy_rejects_any_loss_config():
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, "0.5", True])
 def test_config_values_must_be_finite_numbers(value):
-    with pytest.raises(LossError, match=r"loss_fn_config\['beta'\] must be a finite number"):
+    with pytest.raises(LossError, match=r"loss_fn_config\['beta'\] must be a number in \[0, 1000\]"):
         compute_loss("dro", make_inputs(), {"beta": value})
 
 
@@ -355,8 +355,9 @@ def test_segment_out_of_range_rejected():
 
 
 def test_clip_floor_above_ceiling_rejected():
+    """A per-token floor over the config's ceiling (config floors above 1 are out of range)."""
     with pytest.raises(LossError, match="token 0 has clip_low_threshold=1.5"):
-        compute_loss("ppo", make_inputs(), {"clip_low_threshold": 1.5, "clip_high_threshold": 1.2})
+        compute_loss("ppo", make_inputs(clip_low_T=t([1.5] * 4)), {"clip_high_threshold": 1.2})
 
 
 def test_register_loss_refuses_duplicates_and_custom_losses_work():

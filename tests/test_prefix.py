@@ -32,7 +32,9 @@ def grpo_like(tok, rng, groups=3, size=4):
             data.append(Datum.from_tokens(full, weights=[0.0] * n + [1.0] * len(completion),
                                           advantages=[0.0] * n + [float(rng.normal())] * len(completion),
                                           logprobs=[0.0] * n + [-1.0] * len(completion)))
-    data.append(Datum.from_tokens(tok.encode("unshared")))
+    unshared = tok.encode("unshared")
+    zeros = [0.0] * (len(unshared) - 1)  # trains nothing (importance_sampling needs both inputs)
+    data.append(Datum.from_tokens(unshared, advantages=zeros, logprobs=zeros))
     return data
 
 

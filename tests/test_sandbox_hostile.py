@@ -11,8 +11,11 @@ marker file anywhere a program tried, memory back, the host's listener still ans
 
 Also: `lockstep sandbox run --json`, limits validation, and the shipped code problems (reference
 solutions pass, stubs fail). tests/hostile/grading/ holds attacks on the grading itself (a patched
-launcher, a forged answer on its control pipe, an object equal to everything): a test of the form
-`assert EXPR == LITERAL` is judged outside the sandbox, on the value's repr, so they fail too.
+launcher, builtins, print, repr, type or __import__, a forged answer on the control pipe, objects
+that compare true, an int subclass, `bool = lambda *a: True`, SystemExit in a test, reading the
+tests from frames or an audit hook, exiting early): they pass no test, since the tests run in a
+sandbox of their own (sandbox/grading.py), and each wins against the judge before issue 27
+(tests/old_code_judge.py), their control.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from old_code_judge import run_tests_naive, run_tests_old
 
 from lockstep.envs.code import SHIPPED, Outcome, Problem, run_tests
+from lockstep.sandbox import cgroup, uids
 from lockstep.sandbox.bwrap import SANDBOX_UID, check_available, spawn_user, unsafe
 from lockstep.sandbox.pool import close_pools, pool, run_program_blocking
 from lockstep.sandbox.types import Limits, LimitsError, SandboxUnavailable
@@ -87,7 +92,9 @@ class Host:
                 "@VICTIM_PID@": str(self.victim.pid), "@HOST_PID@": str(os.getpid()), "@HOST_IP@": self.host_ip,
                 "@HOST_HOME@": os.environ.get("HOME", "/root"), "@REPO@": str(REPO),
                 "@MEMORY_MB@": str(LIMITS.memory_mb), "@TMPFS_MB@": str(LIMITS.tmpfs_mb),
-                "@PROCESSES@": str(LIMITS.processes), "@OPEN_FILES@": str(LIMITS.open_files)}
+                "@PROCESSES@": str(LIMITS.processes), "@OPEN_FILES@": str(LIMITS.open_files),
+                "@SANDBOX_MEMORY_MB@": str(cgroup.memory_max_mb(LIMITS)), "@SOLUTIONS@": str(SHIPPED),
+                "@SOLUTIONS_TREE@": str(SHIPPED.parents[3])}
 
     def program(self, path: Path) -> str:
         code = path.read_text()
@@ -223,6 +230,10 @@ def processes() -> dict[int, Proc]:
     return out
 
 
+def _sandbox_uid(uid: int) -> bool:
+    return uid == SANDBOX_UID or uids.in_pool(uid)
+
+
 def leftovers(before: dict[int, Proc], now: dict[int, Proc], marker: str) -> list[Proc]:
     """Processes started by the corpus that are still there: ours (under this test process), any
     with a program's marker in its command line, and any of the sandbox uid that no bubblewrap holds
@@ -237,7 +248,7 @@ def leftovers(before: dict[int, Proc], now: dict[int, Proc], marker: str) -> lis
             chain.append(q)
             q = now.get(q.ppid)
         ours = any(c.pid == me for c in chain) and p.pid != me
-        escaped = os.geteuid() == 0 and p.uid == SANDBOX_UID and not any(c.comm == "bwrap" for c in chain)
+        escaped = os.geteuid() == 0 and _sandbox_uid(p.uid) and not any(c.comm == "bwrap" for c in chain)
         if ours or escaped or marker.encode() in p.cmdline:
             out.append(p)
     return out
@@ -265,7 +276,7 @@ def others_growth_mb(before: dict[int, Proc], now: dict[int, Proc]) -> float:
     uid are never counted as another's: an escaped one would hide here."""
     me, grown = os.getpid(), 0.0
     for p in now.values():
-        if os.geteuid() == 0 and p.uid == SANDBOX_UID:
+        if os.geteuid() == 0 and _sandbox_uid(p.uid):
             continue
         q, chain = p, 0
         while q is not None and q.pid not in (0, 1, me) and chain < 64:
@@ -338,11 +349,11 @@ def corpus(host) -> Corpus:
     results = _grade_all([code for _, code in jobs], PROBLEM, LIMITS)
     seconds = time.monotonic() - t0
     outcomes = {name: out for (name, _), out in zip(jobs, results)}
-    # The pool keeps started sandboxes for these limits: close them (and any a refill adds late),
-    # then give killed trees a moment to be reaped.
+    # The pools keep started sandboxes for these limits (grading's two kinds among them): close them
+    # (and any a refill adds late), then give killed trees a moment to be reaped.
     deadline = time.monotonic() + SETTLE_S
     while True:
-        pool(LIMITS).close()
+        close_pools()
         now = processes()
         left = leftovers(before, now, host.marker)
         if not left or time.monotonic() > deadline:
@@ -450,11 +461,41 @@ def test_corpus_is_armed(host):
 
 
 # -- the grader itself ---------------------------------------------------------------------------------
+def grading_attack(host: Host, name: str) -> tuple[str, Problem, str]:
+    """(program, its problem, its control judge) of tests/hostile/grading/NAME.py: the tests are the
+    JSON list on its `# tests:` line (every one wrong for the program), the control the judge it
+    beats without the defence (`# control: naive`, else the old judge)."""
+    path = HOSTILE / "grading" / f"{name}.py"
+    header = [line for line in path.read_text().splitlines() if line.startswith("#")]
+    tests = json.loads(next(line for line in header if line.startswith("# tests: "))[len("# tests: "):])
+    control = "naive" if "# control: naive" in header else "old"
+    return host.program(path), Problem("Write solve().", tuple(tests), "solve"), control
+
+
 @pytest.mark.parametrize("name", GRADING)
 def test_grading_cannot_be_forged(host, name):
-    (out,) = _grade_all([host.program(HOSTILE / "grading" / f"{name}.py")], PROBLEM, LIMITS)
-    pool(LIMITS).close()
-    assert out.passed == 0, f"{name}: a wrong program got reward {out.passed}/{out.total}"
+    """No test of an attack on the grading passes: the tests run in their own sandbox."""
+    program, problem, _ = grading_attack(host, name)
+    (out,) = _grade_all([program], problem, LIMITS)
+    close_pools()
+    assert out.total == len(problem.tests) >= 1
+    assert out.passed == 0, f"{name}: a wrong program passed {out.passed}/{out.total} tests ({out.reason})"
+
+
+@pytest.mark.parametrize("name", GRADING)
+def test_grading_attack_wins_without_the_defence(host, name):
+    """The control: the same program against the judge before issue 27 (the tests in the program's
+    own interpreter) passes every one of its tests; against a judge trusting the exit status, the
+    attacks that the old judge already stopped do."""
+    program, problem, control = grading_attack(host, name)
+    judge = run_tests_naive if control == "naive" else run_tests_old
+
+    async def main():
+        return await judge(program, problem, LIMITS)
+
+    out = asyncio.run(main())
+    close_pools()
+    assert out.passed == out.total, f"{name}: the attack does not even win against the {control} judge: {out}"
 
 
 # -- the CLI and the limits -----------------------------------------------------------------------------
@@ -500,22 +541,26 @@ def test_limits_validation_is_clear():
 
 # -- the shipped problems ------------------------------------------------------------------------------
 def test_shipped_problems_grade_right():
-    """Every shipped problem's reference solution gets reward 1; a stub of the entry point less."""
+    """Every shipped problem's reference solution gets reward 1; wrong programs (the entry point
+    returning None, or its first argument) less."""
     _sandbox_or_skip()
     rows = [json.loads(line) for line in SHIPPED.read_text().splitlines() if line.strip()]
     problems = [Problem(r["prompt"], tuple(r["tests"]), r.get("entry_point", ""), r["solution"]) for r in rows]
     assert len(problems) >= 40 and all(p.entry_point and p.solution for p in problems)
     limits = Limits(wall_s=10, cpu_s=5)
 
+    stubs = ("def {}(*a, **k):\n    return None\n", "def {}(*a, **k):\n    return a[0] if a else None\n")
+
     async def main():
         good = [run_tests(p.solution, p, limits) for p in problems]
-        stub = [run_tests(f"def {p.entry_point}(*a, **k):\n    return None\n", p, limits) for p in problems]
-        return await asyncio.gather(*good, *stub)
+        wrong = [run_tests(s.format(p.entry_point), p, limits) for s in stubs for p in problems]
+        return await asyncio.gather(*good, *wrong)
 
     results = asyncio.run(main())
+    close_pools()
     good, stub = results[:len(problems)], results[len(problems):]
     wrong = [(p.entry_point, o) for p, o in zip(problems, good) if o.passed != o.total]
     assert not wrong, f"reference solutions not passing: {wrong}"
     assert all(o.reason == "ok" for o in good)
-    passing_stubs = [(p.entry_point, o) for p, o in zip(problems, stub) if o.passed >= o.total]
+    passing_stubs = [(p.entry_point, o) for p, o in zip(problems * len(stubs), stub) if o.passed >= o.total]
     assert not passing_stubs, f"stubs passing every test: {passing_stubs}"

@@ -27,19 +27,27 @@ SMALL = ["stages.0.steps=4", "stages.0.batch_size=16", "stages.0.eval_every=2", 
 
 WALL_CAP_S = 12
 """The "capped" tenant's max_wall_seconds in this module's policy."""
+HOG_CAP_MB = 2048
+"""The "hog" tenant's max_job_memory_mb (address space per process, under RLIMIT_AS)."""
+HOG_MODULE = 'user_env_modules = ["memory_hog_env"]'
+HOG_PATH = {"PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)}
+"""The job processes import tests/memory_hog_env.py (an allowlisted user env) from here."""
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("jobs")
-    srv = make_server(tmp)
-    srv.keys = {"alice": srv.key("alice"), "bob": srv.key("bob"), "capped": srv.key("capped")}
+    srv = make_server(tmp, env=HOG_PATH)
+    srv.keys = {name: srv.key(name) for name in ("alice", "bob", "capped", "hog")}
     out = subprocess.run([sys.executable, "-m", "lockstep.cli", "tenants", "create", "solo", "--db", srv.db, "--json",
                           "--max-jobs", "1"], check=True, capture_output=True, text=True, env=srv.env).stdout
     srv.keys["solo"] = json.loads(out.strip().splitlines()[-1])["api_key"]
     srv.home_jobs = Path(srv.env["LOCKSTEP_HOME"]) / "service" / "worker" / "jobs"
-    (tmp / "policy.toml").write_text(f"[tenants.capped]\nmax_wall_seconds = {WALL_CAP_S}\n")
-    srv.start("--job-slots", "2", "--policy", str(tmp / "policy.toml"))
+    (tmp / "policy.toml").write_text(f"[tenants.capped]\nmax_wall_seconds = {WALL_CAP_S}\n"
+                                     f"[tenants.hog]\nmax_job_memory_mb = {HOG_CAP_MB}\n{HOG_MODULE}\n")
+    # RLIMIT_AS here, at the default cap for every other tenant: the jobs of this module show that
+    # normal jobs run under it (tests/test_service_job_memory.py covers the cgroups).
+    srv.start("--job-slots", "2", "--policy", str(tmp / "policy.toml"), "--job-memory", "rlimit")
     yield srv
     srv.stop()
 
@@ -58,8 +66,9 @@ def api(service, tenant, method, path, **kw):
                          timeout=60, **kw)
 
 
-def submit(service, tenant, *overrides, priority="preemptible", name="job"):
-    out = cli(service, tenant, "submit", *SMALL, *overrides, "--priority", priority, "--name", name, "--json").stdout
+def submit(service, tenant, *overrides, priority="preemptible", name="job", max_attempts=3):
+    out = cli(service, tenant, "submit", *SMALL, *overrides, "--priority", priority, "--name", name,
+              "--max-attempts", str(max_attempts), "--json").stdout
     return json.loads(out.strip().splitlines()[-1])["id"]
 
 
@@ -84,6 +93,10 @@ def events(service, tenant, job_id):
     return out
 
 
+def state_events(service, tenant, job_id) -> list[str]:
+    return [d["state"] for k, d in events(service, tenant, job_id) if k == "state"]
+
+
 def test_a_job_runs_streams_and_serves_its_artifacts(service):
     job_id = submit(service, "alice", name="first")
     logs = cli(service, "alice", "logs", job_id[:7], "-f")  # a unique prefix; follows until the job ends
@@ -91,6 +104,9 @@ def test_a_job_runs_streams_and_serves_its_artifacts(service):
     listed = json.loads(cli(service, "alice", "jobs", "--json").stdout)
     job = next(j for j in listed if j["id"] == job_id)
     assert job["state"] == "succeeded" and job["attempts"] == 1 and job["summary"]["steps"] == 7
+    assert state_events(service, "alice", job_id) == ["queued", "starting", "running", "succeeded"]
+    trained = [d["step"] for k, d in events(service, "alice", job_id) if k == "metrics" and "train/loss_sum" in d]
+    assert trained == list(range(1, 8))  # the metrics tail sent each record once
     table = cli(service, "alice", "jobs", COLUMNS="80").stdout  # a terminal of 80 columns
     assert job_id in table and max(len(line) for line in table.splitlines()) <= 80, table
     detail = cli(service, "alice", "job", job_id[:5]).stdout
@@ -126,7 +142,8 @@ def test_a_failing_job_is_retried_with_backoff_then_fails_with_a_message(service
     r = api(service, "alice", "POST", "jobs", json={"spec": spec, "max_attempts": 2})
     job = wait_state(service, "alice", r.json()["id"], ("failed",), timeout=240)
     states = [d["state"] for k, d in events(service, "alice", job["id"]) if k == "state"]
-    assert states == ["queued", "running", "queued", "running", "failed"] and job["attempts"] == 2
+    assert states == ["queued", "starting", "running", "queued", "starting", "running", "failed"]
+    assert job["attempts"] == 2
     assert job["error"].startswith("attempt 2 exited with code 2: env: inputs/") and "no usable rows" in job["error"]
     assert "Traceback" not in job["error"] and str(service.home_jobs) not in job["error"], job["error"]
     out = cli(service, "alice", "logs", job["id"], "--output").stdout  # the attempt's whole output
@@ -186,8 +203,23 @@ def test_the_wall_clock_cap_stops_and_fails_a_job(service):
     job = wait_state(service, "capped", job_id, ("failed",), timeout=WALL_CAP_S + 120)
     assert job["attempts"] == 1 and f"over this server's cap max_wall_seconds = {WALL_CAP_S}" in job["error"]
     assert WALL_CAP_S <= job["run_seconds"] < WALL_CAP_S + 10, (running, job)
-    assert [d["state"] for k, d in events(service, "capped", job_id) if k == "state"] == ["queued", "running", "failed"]
+    assert state_events(service, "capped", job_id) == ["queued", "starting", "running", "failed"]
     assert gone(procs, 10) == []
+
+
+def test_a_job_over_its_memory_cap_fails_alone_with_a_message_under_rlimit(service):
+    """RLIMIT_AS (no cgroup): a job allocating 8 GiB under a 2 GiB cap is refused its memory,
+    fails at once (no retry: it would go over again) with the cap in its error, and the worker
+    runs the next job. (The control, the same allocation under a larger cap, and the whole
+    worker tree's memory are in tests/test_service_job_memory.py.)"""
+    r = api(service, "hog", "POST", "jobs", json={"spec": {"env": {"name": "memory_hog_env:make_suite", "size": 8192}}})
+    job = wait_state(service, "hog", r.json()["id"], ("failed", "succeeded"))
+    assert job["attempts"] == 1, job
+    assert job["error"] == (f"attempt 1 ran out of memory: over this server's memory cap max_job_memory_mb = "
+                            f"{HOG_CAP_MB} (MiB of address space per process)"), job["error"]
+    output = cli(service, "hog", "logs", job["id"], "--output").stdout
+    held = [int(line.split()[-2]) for line in output.splitlines() if line.startswith("memory hog: holding")]
+    assert held and max(held) < HOG_CAP_MB and "MemoryError" in output, output[-2000:]
 
 
 def test_job_processes_end_with_their_worker(tmp_path):
@@ -223,13 +255,14 @@ def test_cancel_and_the_concurrent_jobs_quota(service):
     assert api(service, "solo", "GET", f"jobs/{second}").json()["state"] == "queued"
     assert api(service, "solo", "POST", f"jobs/{first}/cancel").json()["state"] == "cancelling"
     assert wait_state(service, "solo", first, ("cancelled",))["state"] == "cancelled"
+    assert state_events(service, "solo", first) == ["queued", "starting", "running", "cancelling", "cancelled"]
     wait_state(service, "solo", second, ("succeeded",))
     assert api(service, "solo", "POST", f"jobs/{first}/cancel").status_code == 409  # it already ended
 
 
 def test_a_reserved_job_preempts_and_the_preempted_job_resumes(service):
-    long_a = submit(service, "alice", "rl.steps=100", "runtime.checkpoint_every=5", name="a")
-    long_b = submit(service, "bob", "rl.steps=100", "runtime.checkpoint_every=5", name="b")
+    long_a = submit(service, "alice", "rl.steps=100", "runtime.checkpoint_every=5", name="a", max_attempts=1)
+    long_b = submit(service, "bob", "rl.steps=100", "runtime.checkpoint_every=5", name="b", max_attempts=1)
     for tenant, jid in (("alice", long_a), ("bob", long_b)):
         deadline = time.time() + 300
         while max([d.get("step", 0) for k, d in events(service, tenant, jid) if k == "metrics"] or [0]) < 8:
@@ -243,8 +276,10 @@ def test_a_reserved_job_preempts_and_the_preempted_job_resumes(service):
     victim = preempted[0]
     tenant = "alice" if victim == long_a else "bob"
     states = [d for k, d in events(service, tenant, victim) if k == "state"]
-    assert [d["state"] for d in states] == ["queued", "running", "preempting", "queued", "running", "succeeded"]
-    assert states[4]["resumed"] is True and done[victim]["attempts"] == 2
+    assert [d["state"] for d in states] == ["queued", "starting", "running", "preempting", "queued", "starting",
+                                            "running", "succeeded"]
+    # A preemption is no failed attempt: the job resumes under attempt 1, its max_attempts of 1 intact.
+    assert states[5] == {"state": "starting", "attempt": 1, "resumed": True} and done[victim]["attempts"] == 1
     run_dir = service.home_jobs / victim / "run"
     led = audit(run_dir / "ledger.jsonl")  # the resumed job trained every group exactly once
     assert sorted(set(led.trained_step.values())) == list(range(1, 101)) and led.pending() == []
@@ -254,7 +289,7 @@ def test_a_jobs_page_updates_live_in_a_browser_and_stays_its_tenants(service, tm
     """/ui: alice signs in with her key, finds her running job and opens its page; the reward curve
     grows as steps arrive, the pipeline panel ends equal to the job's metrics.jsonl, the console
     stays clean; bob, signed in with his key, cannot see the job, by the list or by its URL."""
-    from test_dashboard import _browser, wait_for
+    from test_dashboard import _browser, click, wait_for
 
     job_id = submit(service, "alice", "rl.steps=12", "rl.prompts_per_step=2", name="watched")
     driver = _browser()
@@ -262,8 +297,7 @@ def test_a_jobs_page_updates_live_in_a_browser_and_stays_its_tenants(service, tm
         driver.get(f"{service.url}/ui")
         driver.find_element("id", "key").send_keys(service.keys["alice"])
         driver.find_element("css selector", "#signin button").click()
-        row = wait_for(lambda: driver.find_elements("id", f"job-{job_id}"), "the job in alice's list")
-        row[0].find_element("tag name", "a").click()
+        wait_for(lambda: click(driver, f"#job-{job_id} a"), "the job's link in alice's list")
 
         def points():
             return driver.execute_script(

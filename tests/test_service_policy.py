@@ -4,6 +4,7 @@ an attempt would start)."""
 
 import io
 import json
+import signal
 import subprocess
 import sys
 import tarfile
@@ -12,16 +13,19 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from data_bombs import metadata_bytes, parquet_bomb
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from lockstep.envs.registry import ALLOWLIST_ENV, resolve_factory
 from lockstep.envs.types import EnvError
 from lockstep.service.app import ServiceConfig, create_app
+from lockstep.service.datacheck import CHECK_MEMORY_BYTES
+from lockstep.service.datasets import _verdict
 from lockstep.service.db import Job, JobEvent, Tenant, connect
 from lockstep.service.jobstate import move
 from lockstep.service.policy import Policy, PolicyError
-from lockstep.service.scheduler import Scheduler, adopt_orphans, attempt_error
+from lockstep.service.scheduler import MAX_INTERRUPTIONS, Scheduler, adopt_orphans, attempt_error
 from lockstep.service.storage import Storage
 from lockstep.service.tenants import create_tenant
 from lockstep.service.types import JobState
@@ -37,6 +41,8 @@ max_datasets = 2
 dataset_quota_bytes = 300
 max_dataset_bytes = 200
 max_queued_jobs = 2
+[tenants.tight]
+max_dataset_decoded_bytes = 1048576
 """
 
 
@@ -49,7 +55,7 @@ def svc(tmp_path, builtin_dir):
     _, sessions = connect(cfg.db_url)
     with sessions() as s:
         register_base_models(s, {"lockstep/tiny": builtin_dir})
-        keys = {name: create_tenant(s, name)[1] for name in ("alice", "bob", "trusted", "small")}
+        keys = {name: create_tenant(s, name)[1] for name in ("alice", "bob", "trusted", "small", "tight")}
     with TestClient(create_app(cfg)) as client:
         client.keys, client.sessions, client.policy, client.tmp = keys, sessions, policy, tmp_path
         client.storage = Storage(cfg.storage_url)
@@ -222,6 +228,78 @@ def test_dataset_size_cap_and_quota(svc):
     assert upload(svc, "small", b"{}\n").status_code == 200
 
 
+def assert_nothing_stored(svc, tenant):
+    assert call(svc, tenant, "GET", "datasets").json()["datasets"] == []
+    assert not (svc.tmp / "storage" / "datasets").exists() or not any((svc.tmp / "storage" / "datasets").rglob("*.*"))
+
+
+@pytest.mark.parametrize("num_rows, arrow_schema, under", [(20_000, True, 1024), (200_000, False, 2048)],
+                         ids=["2GB-in-under-1KB", "20GB-in-under-2KB"])
+def test_a_parquet_bomb_is_refused_by_what_it_decodes_to(svc, num_rows, arrow_schema, under):
+    bomb = parquet_bomb(num_rows, 100_000, arrow_schema=arrow_schema)
+    limits = svc.policy.for_tenant("alice")
+    assert len(bomb) < under and num_rows * 100_000 >= 2 * 10**9
+    # Control: the old check bounded the footer's total_byte_size (the dictionary page, once) by
+    # 8 x max_dataset_bytes, and let both through.
+    assert metadata_bytes(bomb) < 200_000 < 8 * limits.max_dataset_bytes
+    r = upload(svc, "alice", bomb, name="bomb.parquet")
+    assert r.status_code == 400, r.text
+    assert f"decodes to more than this server's cap max_dataset_decoded_bytes = {512 << 20}" in r.json()["error"]
+    assert limits.max_dataset_decoded_bytes == 512 << 20
+    assert_nothing_stored(svc, "alice")
+
+
+def test_the_decoded_cap_is_the_tenants_and_counts_expanded_rows(svc):
+    """Tenant `tight` may store 1 MiB of decoded rows: 100 rows of a dictionary-encoded 8 KB prompt
+    (8,000 to 9,000 bytes each as Python objects) fit, 140 do not; 100k empty dicts in one jsonl
+    line (300 KB of text, 100k x sys.getsizeof({}) = 6.4 MB in memory) do not either."""
+    ok = upload(svc, "tight", parquet_bomb(100, 8_000), name="ok.parquet")
+    assert ok.status_code == 200 and ok.json()["num_rows"] == 100, ok.text
+    r = upload(svc, "tight", parquet_bomb(140, 8_000), name="over.parquet")
+    assert r.status_code == 400 and "max_dataset_decoded_bytes = 1048576" in r.json()["error"], r.text
+    dicts = json.dumps({"prompt": [{}] * 100_000}).encode() + b"\n"
+    r = upload(svc, "tight", dicts)
+    assert r.status_code == 400 and "max_dataset_decoded_bytes = 1048576" in r.json()["error"], r.text
+    assert upload(svc, "alice", dicts).status_code == 200  # control: within the default cap
+    assert [d["id"] for d in call(svc, "tight", "GET", "datasets").json()["datasets"]] == [ok.json()["id"]]
+
+
+def check_in_process(path, cap: int, memory: int) -> dict:
+    r = subprocess.run([sys.executable, "-B", "-m", "lockstep.service.datacheck", str(path), "parquet", str(cap),
+                        str(memory)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_the_check_decodes_in_a_process_of_bounded_memory(tmp_path):
+    """One 100 MB value compresses to a 3.5 KB file, within a 512 MiB decoded cap, but its page,
+    arrow array and str take ~300 MB at once: the check's process refuses it when its memory is
+    bounded to 250 MB, and (control) decodes it with 1 GiB, the bound uploads are checked under."""
+    path = tmp_path / "one.parquet"
+    pq.write_table(pa.table({"prompt": ["y" * 100_000_000]}), path, compression="zstd", compression_level=1)
+    assert path.stat().st_size < 8192
+    verdict = check_in_process(path, 512 << 20, 250 << 20)
+    assert verdict == {"refused": "dataset needs more than 262144000 bytes of memory to decode (one parquet page, "
+                                  "value or batch of 64 rows inflates past it)"}
+    assert check_in_process(path, 512 << 20, CHECK_MEMORY_BYTES) == {"rows": 1} and CHECK_MEMORY_BYTES == 1 << 30
+
+
+@pytest.mark.parametrize("returncode, stdout, stderr, message", [
+    (-signal.SIGXCPU, b"", b"", "dataset takes more than 60 s of CPU time to decode"),
+    (-signal.SIGKILL, b"", b"", "dataset takes more than 60 s of CPU time to decode"),
+    (1, b"", b"Traceback ...\nMemoryError\n", f"dataset needs more than {1 << 30} bytes of memory to decode"),
+    (-signal.SIGSEGV, b"", b"", "dataset could not be read: the check stopped with exit status -11"),
+    (0, b"not json", b"", "dataset could not be read: the check stopped with exit status 0"),
+    (0, b'{"rows": "3"}', b"", "dataset could not be read: the check stopped with exit status 0"),
+])
+def test_a_check_that_dies_refuses_the_file(returncode, stdout, stderr, message):
+    """Killed past its CPU time or memory, or crashed in the reader on a crafted file: a 400 that says
+    so, never a 500 or an accepted file."""
+    done = subprocess.CompletedProcess([], returncode, stdout, stderr)
+    assert _verdict(done) == {"refused": message}
+    assert _verdict(subprocess.CompletedProcess([], 0, b'{"rows": 3}\n', b"")) == {"rows": 3}
+
+
 @pytest.mark.parametrize("field", ["env.path", "env.test_path", "stages.0.dataset"])
 @pytest.mark.parametrize("value", ["/etc/passwd", "../../service.db", "..%2f..%2fservice.db", "ds-../../x",
                                    "file:///etc/passwd", "s3://bucket/key", "rows.jsonl", "ds-0123456789abcdeg"])
@@ -367,13 +445,13 @@ def test_a_move_is_a_compare_and_set(svc):
     job_id = queued_job(svc)
     with svc.sessions() as a, svc.sessions() as b:
         ja, jb = a.get(Job, job_id), b.get(Job, job_id)  # both read "queued"
-        assert move(a, ja, JobState.RUNNING)
+        assert move(a, ja, JobState.STARTING)
         a.commit()
         assert not move(b, jb, JobState.CANCELLED)  # its read is stale: it loses
-        assert jb.state == "running"  # and sees what won
+        assert jb.state == "starting"  # and sees what won
         assert move(b, jb, JobState.CANCELLING)
         b.commit()
-    assert states(svc, job_id) == ["queued", "running", "cancelling"]
+    assert states(svc, job_id) == ["queued", "starting", "cancelling"]
 
 
 def scheduler(svc) -> Scheduler:
@@ -415,16 +493,30 @@ def test_the_scheduler_refuses_a_spec_written_behind_the_apis_back(svc):
 
 
 def test_adopting_orphans_goes_through_the_state_machine(svc):
-    running, cancelling, done = queued_job(svc), queued_job(svc), queued_job(svc)
+    """A dead worker's jobs: those it was starting, running or preempting go back to the queue
+    with their attempt given back and the interruption counted (a job with max_attempts = 1
+    interrupted again and again never shows 2 attempts); a job interrupted MAX_INTERRUPTIONS
+    times fails; one being cancelled ends cancelled; one state event per change."""
+    paths = {"starting": ["starting"], "running": ["starting", "running"],
+             "preempting": ["starting", "running", "preempting"], "cancelling": ["starting", "cancelling"],
+             "done": ["starting", "running", "succeeded"], "worn": ["starting", "running"]}
+    ids = {name: submit(svc, "alice", {}, max_attempts=1).json()["id"] for name in paths}
     with svc.sessions() as s:
-        for job_id, path in ((running, ["running"]), (cancelling, ["running", "cancelling"]),
-                             (done, ["running", "succeeded"])):
+        for name, path in paths.items():
+            job = s.get(Job, ids[name])
             for to in path:
-                assert move(s, s.get(Job, job_id), JobState(to))
+                assert move(s, job, JobState(to), **({"attempts": 1} if to == "starting" else {}))
+        s.get(Job, ids["worn"]).interruptions = MAX_INTERRUPTIONS
         s.commit()
-    assert adopt_orphans(svc.sessions) == 1
-    assert states(svc, running)[-1] == "queued" and states(svc, cancelling)[-1] == "cancelled"
-    assert states(svc, done)[-1] == "succeeded"
+    assert adopt_orphans(svc.sessions) == 3
+    for name in ("starting", "running", "preempting"):
+        job = call(svc, "alice", "GET", f"jobs/{ids[name]}").json()
+        assert (job["state"], job["attempts"], job["interruptions"]) == ("queued", 0, 1), job
+        assert states(svc, ids[name]) == ["queued", *paths[name], "queued"]
+    assert states(svc, ids["cancelling"]) == ["queued", "starting", "cancelling", "cancelled"]
+    assert states(svc, ids["done"]) == ["queued", "starting", "running", "succeeded"]
+    worn = call(svc, "alice", "GET", f"jobs/{ids['worn']}").json()
+    assert worn["state"] == "failed" and f"at most {MAX_INTERRUPTIONS}" in worn["error"]
 
 
 def test_a_failed_attempts_error_is_a_message_not_a_traceback(tmp_path):

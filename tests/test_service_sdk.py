@@ -42,10 +42,11 @@ class Server:
                              check=True, capture_output=True, text=True, env=self.env).stdout
         return json.loads(out.strip().splitlines()[-1])["api_key"]
 
-    def start(self, *extra, worker: bool = True) -> subprocess.Popen:
+    def start(self, *extra, worker: bool = True, wrap: tuple = ()) -> subprocess.Popen:
+        """`lockstep serve` (its command after `wrap`, e.g. a wrapper that moves it into a cgroup)."""
         port = self.url.rsplit(":", 1)[1]
-        args = [sys.executable, "-m", "lockstep.cli", "serve", "--port", port, "--db", self.db, "--storage", self.storage,
-                *(f"--model={m}" for m in self.models), *extra, *(() if worker else ("--no-worker",))]
+        args = [*wrap, sys.executable, "-m", "lockstep.cli", "serve", "--port", port, "--db", self.db, "--storage",
+                self.storage, *(f"--model={m}" for m in self.models), *extra, *(() if worker else ("--no-worker",))]
         proc = subprocess.Popen(args, env=self.env, start_new_session=True)
         self.procs.append(proc)
         deadline = time.time() + 120

@@ -117,6 +117,9 @@ def test_importance_sampling_on_policy_gradient_is_advantage_weighted_logprob(tr
         (lambda: [rl_datum([5, 6, 7], [0.0, 0.0], [np.nan, 1.0])], "importance_sampling", "NaN"),
         (lambda: [Datum.from_tokens([5, 6, 7], weights=[np.inf, 1.0])], "cross_entropy", "NaN or inf"),
         (lambda: [], "cross_entropy", "empty"),
+        # trained on as logprobs of 0 before: each loss declares the inputs it needs
+        (lambda: sft_data(1), "importance_sampling", r"datum 0: loss 'importance_sampling' needs .*\['logprobs'\]"),
+        (lambda: [rl_datum([5, 6, 7], [0.0, 0.0], [1.0, 1.0])], "gspo", r"needs .*\['sequence_ratio_mask'\]"),
     ],
 )
 def test_bad_input_raises_and_changes_nothing(trainer, data, loss, match):

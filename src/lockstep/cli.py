@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -126,7 +127,6 @@ def _cmd_run(args) -> int:
 
     _exit_with_supervisor()
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from lockstep.runtime.plan import make_plan
     from lockstep.runtime.run import check_losses
@@ -146,10 +146,24 @@ def _cmd_run(args) -> int:
             return 2
         print(json.dumps({"config": to_dict(spec), "plan": plan.as_dict(), "strategy": strategy}, indent=2))
         return 0
-    from lockstep.runtime.run import run
+    from lockstep.runtime.rundir import check_writer
 
     run_dir = args.resume or args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+    check_writer(Path(run_dir))  # a live run's directory: refused before anything starts (exit 2)
     console.print(f"[bold]lockstep run[/bold] -> {run_dir}" + (" (resuming)" if args.resume else ""))
+    with contextlib.ExitStack() as held:
+        if args.alerts or args.alert_webhook:  # alerts.jsonl is written from here on: the run's lock first
+            from lockstep.runtime.rundir import writer_lock
+
+            held.enter_context(writer_lock(Path(run_dir)))
+        return _run_in(args, spec, console, run_dir)
+
+
+def _run_in(args, spec, console, run_dir: str) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from lockstep.runtime.run import run
+
     if args.metrics_port is not None:
         _serve_metrics(Path(run_dir), args.metrics_port)
         console.print(f"Prometheus metrics: http://127.0.0.1:{args.metrics_port}/metrics")
@@ -423,8 +437,8 @@ def _cmd_job(args) -> int:
         print(json.dumps(job))
         return 0
     acc = (job.get("summary") or {}).get("eval_accuracy_final")
-    for key in ("id", "name", "state", "priority", "attempts", "max_attempts", "preemptions", "run_seconds",
-                "created_at", "started_at", "finished_at"):
+    for key in ("id", "name", "state", "priority", "attempts", "max_attempts", "preemptions", "interruptions",
+                "run_seconds", "created_at", "started_at", "finished_at"):
         print(f"{key:>14}: {job[key]}")
     if acc is not None:
         print(f"{'accuracy':>14}: {acc:.3f}")
@@ -490,25 +504,42 @@ def _cmd_logs(args) -> int:
         return 0
     url = _job_url(base, args.job, "/events")
     try:
-        with httpx.stream("GET", url, headers=headers, params={"follow": str(args.follow).lower()}, timeout=None) as r:
+        return _follow_events(url, headers, follow=args.follow, as_json=args.json)
+    except httpx.HTTPError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def _follow_events(url: str, headers: dict, *, follow: bool, as_json: bool) -> int:
+    """Print a job's events until its stream ends; a stream the server ended as idle (no event for
+    its event_stream_idle_s) is reopened after the last event id seen. Keep-alive comments are
+    skipped like any line that is not a field we read."""
+    import httpx
+
+    after = 0
+    while True:
+        with httpx.stream("GET", url, headers=headers, params={"follow": str(follow).lower(), "after": after},
+                          timeout=None) as r:
             if r.status_code >= 400:
                 r.read()
                 raise SystemExit(f"error: {r.status_code}: {r.json().get('error', r.text)}")
             kind = None
             for line in r.iter_lines():
-                if line.startswith("event: "):
+                if line.startswith("id: "):
+                    after = int(line[4:])
+                elif line.startswith("event: "):
                     kind = line[7:]
                 elif line.startswith("data: "):
                     data = json.loads(line[6:])
                     if kind == "end":
                         print(f"job ended: {data['state']}")
-                        return 0 if data["state"] == "succeeded" or not args.follow else 1
-                    line = json.dumps(data) if args.json else _format_event(kind, data)
-                    if line:
-                        print(line, flush=True)
-    except httpx.HTTPError as e:
-        raise SystemExit(f"error: {e}") from None
-    return 0
+                        return 0 if data["state"] == "succeeded" or not follow else 1
+                    if kind == "idle":
+                        break  # reconnect from `after`
+                    shown = json.dumps(data) if as_json else _format_event(kind, data)
+                    if shown:
+                        print(shown, flush=True)
+            else:
+                return 0  # closed without an end: a server that does not send one
 
 
 def _client_args(p) -> None:

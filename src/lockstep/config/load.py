@@ -154,7 +154,8 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunSp
 
 RESCALABLE = ("train.replicas", "rollout.replicas", "rollout.max_replicas", "rollout.weight_sync", "runtime.cpus",
               "runtime.gpus", "runtime.placement", "runtime.env_workers", "runtime.trainer_threads", "runtime.generator_threads",
-              "runtime.allocator", "runtime.allocator_window", "runtime.call_timeout_s", "runtime.max_restarts")
+              "runtime.allocator", "runtime.allocator_window", "runtime.call_timeout_s", "runtime.max_restarts",
+              "runtime.allow_mixed_forward")
 """What `lockstep run --resume DIR key=value` may change: where and on how many processes the run
 goes on, none of what it computes (the forward is batch and thread invariant, a sync run is the
 same on any number of generator replicas, and a step's micro-batches are pinned below)."""

@@ -24,9 +24,45 @@ def _require(cond: bool, path: str, expected: str, got) -> None:
         raise ConfigError(f"{path}: expected {expected}, got {got!r}")
 
 
+@dataclass(frozen=True)
+class Range:
+    """The interval a hyperparameter must lie in: closed unless an end is marked open."""
+
+    low: float
+    high: float
+    low_open: bool = False
+    high_open: bool = False
+
+    def holds(self, value) -> bool:
+        """A finite real number (not a bool) inside the interval."""
+        if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        return f"{'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}{')' if self.high_open else ']'}"
+
+
+def _num(x: float) -> str:
+    return f"{x:g}".replace("e+0", "e").replace("e-0", "e-").replace("e+", "e")
+
+
+def check_range(path: str, value, bounds: Range) -> None:
+    """ConfigError naming `path` and the range unless `value` is a finite number in `bounds`."""
+    if not bounds.holds(value):
+        raise ConfigError(f"{path} must be a number in {bounds}, got {value!r}")
+
+
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 """The engine's devices and dtypes (engine/device.py), named here torch-free."""
+
+
+LORA_ALPHA = Range(0.0, 1e4, low_open=True)
+"""A LoRA adapter's output is scaled by alpha / rank: recipes use alpha of 1 to 4 x rank (rank <= 1024
+here); a huge alpha multiplies the first step's change to the weights by as much."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +89,7 @@ class ModelSpec:
                  "'float32' on device 'cpu' (the CPU kernels are float32 only; bfloat16 needs model.device = 'cuda')",
                  self.dtype)
         _require(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "model.lora_rank", "an integer >= 0", self.lora_rank)
+        check_range("model.lora_alpha", self.lora_alpha, LORA_ALPHA)
         if self.train_experts is not None:
             ok = isinstance(self.train_experts, (list, tuple)) and all(
                 isinstance(e, int) and not isinstance(e, bool) and 0 <= e < 2**16 for e in self.train_experts)
@@ -64,6 +101,43 @@ class ModelSpec:
 
 BUILTIN_ENVS = ("arithmetic", "long_addition", "math", "reasoning_gym", "code", "python_tool")
 """The built-in env suites, each `lockstep.envs.<name>:make_suite`; the one list of their names."""
+
+# Optimizer ranges: wide enough for every recipe we know of, narrow enough that a value outside
+# cannot be a choice (1e30 came from a unit slip and left the model NaN for good). Adam moves each
+# weight by about learning_rate per step, so above 1 a step outweighs the weights themselves (LM
+# recipes stop near 1e-1). eps: a weight whose gradient squares to float32's zero (|g| < ~4e-23)
+# moves by lr * |g| / eps, which stays under lr from 1e-20 up; eps = 0 makes it 0/0 = NaN. The
+# cross-check below (learning_rate x weight_decay <= 1) covers decay: each step scales every weight
+# by 1 - lr * weight_decay, whose sign flips past 1. A clip norm over 1e6 clips nothing.
+ADAM_RANGES: dict[str, Range] = {
+    "learning_rate": Range(0.0, 1.0),
+    "beta1": Range(0.0, 1.0, high_open=True),
+    "beta2": Range(0.0, 1.0, high_open=True),
+    "eps": Range(1e-20, 1.0),
+    "weight_decay": Range(0.0, 10.0),
+    "grad_clip_norm": Range(0.0, 1e6),
+}
+"""AdamW's per-step hyperparameters (the Tinker AdamParams fields) and the range of each."""
+MAX_DECAY_PER_STEP = 1.0
+"""The most learning_rate x weight_decay may be (the fraction of each weight a step decays away)."""
+
+
+def check_decay(learning_rate: float, weight_decay: float) -> None:
+    """learning_rate x weight_decay at most MAX_DECAY_PER_STEP (both already in range)."""
+    if learning_rate * weight_decay > MAX_DECAY_PER_STEP:
+        raise ConfigError(f"learning_rate x weight_decay must be at most {_num(MAX_DECAY_PER_STEP)} (each step "
+                          f"scales every weight by 1 - their product), got {learning_rate!r} x {weight_decay!r}")
+
+
+def check_adam(values: dict, path: str = "adam_params") -> None:
+    """Every AdamParams field given in `values` in its range, and check_decay."""
+    for name, value in values.items():
+        check_range(f"{path}.{name}", value, ADAM_RANGES[name])
+    try:
+        check_decay(values.get("learning_rate", 0.0), values.get("weight_decay", 0.0))
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
 
 LOSSES: dict[str, tuple[str, ...]] = {
     "cross_entropy": (),
@@ -84,9 +158,79 @@ UNSUPPORTED_LOSSES: dict[str, str] = {
 LOSS_CORRECTION_KEYS = ("tis_cap", "mis_low", "mis_high")
 """Config keys every loss accepts: truncated / masked importance-sampling corrections."""
 
+# Ratio bounds: the on-policy ratio is 1, so a floor lies in [0, 1] and a ceiling from 1 up (the
+# GSPO paper's band is 1 -/+ 3e-4; CISPO and clip-higher recipes use ceilings of 1.28 to ~5). A
+# ceiling past 1e6 never binds (a trainer/sampler gap of e^14): leave the key out instead. beta
+# weighs DRO's squared log-ratio penalty: KL-style coefficients run 1e-3 to ~1; 1e3 already makes
+# the penalty all of the objective.
+LOSS_CONFIG_RANGES: dict[str, Range] = {
+    "clip_low_threshold": Range(0.0, 1.0),
+    "clip_high_threshold": Range(1.0, 1e6),
+    "beta": Range(0.0, 1e3),
+    "tis_cap": Range(0.0, 1e6, low_open=True),
+    "mis_low": Range(0.0, 1.0),
+    "mis_high": Range(1.0, 1e6),
+}
+"""The range of every built-in loss config key (a custom loss checks its own)."""
+
+LOSS_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("target_tokens",),
+    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+    "ppo": ("target_tokens", "logprobs", "advantages"),
+    "cispo": ("target_tokens", "logprobs", "advantages"),
+    "dro": ("target_tokens", "logprobs", "advantages"),
+    "gspo": ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask"),
+}
+"""The loss_fn_inputs keys every datum of each built-in loss must carry (Tinker's table). The
+others have a documented default: cross_entropy's weights are ones, per-token clip thresholds
+fall back to the config's. gspo's mask has none: all ones would put the prompt (logprobs padded
+with 0) into the sequence ratio. A TIS/MIS correction in the config needs logprobs too."""
+
+LOSS_INPUT_MEANINGS: dict[str, str] = {
+    "target_tokens": "int64, the token each position predicts",
+    "logprobs": "float32, the sampler's logprob of each target token",
+    "advantages": "float32, each target token's advantage (0 on the prompt)",
+    "sequence_ratio_mask": "float32, 1 on the sampled tokens that form the sequence ratio, 0 elsewhere",
+}
+
+WHOLE_REQUEST_INPUTS = ("clip_low_threshold", "clip_high_threshold")
+"""Per-token inputs a request gives on every datum or on none: a datum without one would be
+padded with 0 (a floor or ceiling of 0) rather than get the config's threshold."""
+
+
+def loss_inputs(needs: tuple[str, ...], config: dict) -> tuple[str, ...]:
+    """`needs` (a loss's inputs), plus logprobs when the config asks for a TIS/MIS correction."""
+    if "logprobs" in needs or not any(k in config for k in LOSS_CORRECTION_KEYS):
+        return needs
+    return (*needs, "logprobs")
+
+
+def missing_loss_input(name: str, needs: tuple[str, ...], config: dict, data_keys) -> str | None:
+    """What the first datum lacking an input of loss `name` (with `config`) lacks, as a message
+    naming the datum and the key; None when every datum has them. data_keys: each datum's keys."""
+    required = loss_inputs(needs, config)
+    data_keys = [set(keys) for keys in data_keys]
+    for i, keys in enumerate(data_keys):
+        for key in required:
+            if key not in keys:
+                what = f"loss {name!r}" + ("" if key in needs else " with a tis_cap/mis_low/mis_high correction")
+                meaning = LOSS_INPUT_MEANINGS.get(key, "one value per model_input token")
+                return f"datum {i}: {what} needs loss_fn_inputs[{key!r}] ({meaning}); it was not sent"
+    for key in WHOLE_REQUEST_INPUTS:
+        given = [i for i, keys in enumerate(data_keys) if key in keys]
+        if given and len(given) != len(data_keys):
+            i = next(i for i, keys in enumerate(data_keys) if key not in keys)
+            return (f"datum {i}: loss_fn_inputs[{key!r}] is missing but datum {given[0]} has it; send it on every "
+                    f"datum or none (the config's threshold then applies)")
+    return None
+
+
+assert set(LOSS_CONFIG_RANGES) == {k for keys in LOSSES.values() for k in keys} | set(LOSS_CORRECTION_KEYS)
+assert set(LOSS_INPUTS) == set(LOSSES)
+
 
 def check_loss(name: str, config: dict) -> None:
-    """A built-in loss and config keys it takes, with finite numbers; ConfigError otherwise."""
+    """A built-in loss and config keys it takes, each a number in its range; ConfigError otherwise."""
     supported = ", ".join(LOSSES)
     if name in UNSUPPORTED_LOSSES:
         raise ConfigError(f"loss {name!r} is not supported: {UNSUPPORTED_LOSSES[name]}; supported: {supported}")
@@ -97,8 +241,10 @@ def check_loss(name: str, config: dict) -> None:
     if unknown:
         raise ConfigError(f"loss {name!r} does not take config keys {unknown}; it takes {sorted(allowed)}")
     for key, value in config.items():
-        if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
-            raise ConfigError(f"loss config {key!r} must be a finite number, got {value!r}")
+        check_range(f"loss config {key!r}", value, LOSS_CONFIG_RANGES[key])
+    if "mis_low" in config and "mis_high" in config and not config["mis_low"] < config["mis_high"]:
+        raise ConfigError(f"loss config 'mis_low' must be below 'mis_high' (the band of importance weights kept), "
+                          f"got {config['mis_low']!r} and {config['mis_high']!r}")
 
 
 @dataclass(frozen=True)
@@ -173,6 +319,13 @@ STAGE_DEFAULTS: dict[str, dict] = {
 """Per stage kind, the values of fields left unset (an explicit value always wins)."""
 
 
+STAGE_LEARNING_RATE = Range(0.0, 1.0, low_open=True, high_open=True)
+"""A stage's learning rate: Adam's range (ADAM_RANGES) less 0, which would train nothing."""
+TRUNCATED_REWARD = Range(-1e6, 1e6)
+"""Rewards are scores (the built-in envs' lie in [0, 1]); a finite bound keeps a NaN or inf from TOML
+out of the advantages."""
+
+
 @dataclass(frozen=True)
 class StageSpec:
     kind: Literal["sft", "rl"] = "rl"
@@ -222,7 +375,8 @@ class StageSpec:
             _require(isinstance(v, int) and v >= 1, f"{p}.{name}", "an integer >= 1", v)
         _require(isinstance(self.group_size, int) and self.group_size >= 2, f"{p}.group_size", "an integer >= 2", self.group_size)
         _require(isinstance(self.max_staleness, int) and self.max_staleness >= 0, f"{p}.max_staleness", "an integer >= 0", self.max_staleness)
-        _require(isinstance(self.learning_rate, (int, float)) and 0 < self.learning_rate < 1, f"{p}.learning_rate", "a number in (0, 1)", self.learning_rate)
+        check_range(f"{p}.learning_rate", self.learning_rate, STAGE_LEARNING_RATE)
+        check_range(f"{p}.truncated_reward", self.truncated_reward, TRUNCATED_REWARD)
         _require(isinstance(self.temperature, (int, float)) and 0 < self.temperature <= 2, f"{p}.temperature", "a number in (0, 2]", self.temperature)
         _require(self.max_seconds >= 0 and 0 <= self.target_accuracy <= 1, f"{p}.max_seconds/target_accuracy", ">= 0 and accuracy in [0, 1]", (self.max_seconds, self.target_accuracy))
         _require(self.advantage in ADVANTAGE_ESTIMATORS, f"{p}.advantage", f"one of {list(ADVANTAGE_ESTIMATORS)}",
@@ -399,9 +553,17 @@ class RuntimeSpec:
     (runtime/allocator.py); false keeps trainer_threads, generator_threads and env_workers as set."""
     allocator_window: int = 25
     """RL steps per allocator window: what each decision measures before it is taken."""
+    allow_mixed_forward: bool = False
+    """Run even when a trainer rank or generator replica would compute other bits than the trainer
+    (another forward path, kernel build, CPU instruction set, GPU, library: engine/fingerprint.py).
+    False (the default) refuses such a run at start, naming the fields, and keeps such a replica
+    out of the fleet when it joins later; true runs with it, logs the differences (forward.json in
+    the run directory) and leaves the mismatch to the metrics (mismatch/*)."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.allocator, bool), "runtime.allocator", "true or false", self.allocator)
+        _require(isinstance(self.allow_mixed_forward, bool), "runtime.allow_mixed_forward", "true or false",
+                 self.allow_mixed_forward)
         _require(isinstance(self.allocator_window, int) and not isinstance(self.allocator_window, bool)
                  and self.allocator_window >= 1, "runtime.allocator_window", "an integer >= 1", self.allocator_window)
         _require(self.placement in ("pack", "spread"), "runtime.placement", '"pack" or "spread"', self.placement)

@@ -22,7 +22,7 @@ from lockstep.engine.loading import load_model
 from lockstep.engine.model import InvariantLM
 from lockstep.engine.prefix import plan_prefixes, shared_prefix_logsoftmax
 from lockstep.engine.types import AdamParams, Datum, EngineError, ForwardBackwardOutput, LoraSpec
-from lockstep.losses import LossInputs, compute_loss
+from lockstep.losses import LossInputs, compute_loss, missing_input
 
 
 class Trainer:
@@ -89,6 +89,15 @@ class Trainer:
         metrics.update(self.model.router_metrics())
         return lp_T, metrics
 
+    def _batch(self, data: Sequence[Datum], loss_fn: str, config) -> Batch:
+        """The checked batch; a datum without an input the loss needs is refused here, before any
+        compute (below, a missing logprobs or advantages would be trained on as zeros)."""
+        batch = make_batch(data, self.vocab_size)
+        problem = missing_input(loss_fn, config, (d.loss_fn_inputs.keys() for d in data))
+        if problem is not None:
+            raise EngineError(problem)
+        return batch
+
     def _loss(self, batch: Batch, lp_T: torch.Tensor, loss_fn: str, config: Mapping[str, float]):
         f = batch.floats
         segment = torch.repeat_interleave(torch.arange(len(batch.lengths)), torch.tensor(batch.lengths))
@@ -120,7 +129,7 @@ class Trainer:
     def forward(self, data: Sequence[Datum], loss_fn: str = "cross_entropy", loss_fn_config=None) -> ForwardBackwardOutput:
         """Logprobs and loss without touching gradients."""
         with torch.no_grad(), self.model.compute.scope():
-            batch = make_batch(data, self.vocab_size)
+            batch = self._batch(data, loss_fn, loss_fn_config)
             lp_T, entropy = self._logprobs(data, batch)
             elementwise, metrics = self._loss(batch, lp_T, loss_fn, loss_fn_config)
         return self._outputs(batch, lp_T, elementwise, {**metrics, **entropy}, elementwise.sum())
@@ -128,7 +137,7 @@ class Trainer:
     def forward_backward(self, data: Sequence[Datum], loss_fn: str, loss_fn_config=None) -> ForwardBackwardOutput:
         """Accumulate gradients of sum(elementwise loss); returns per-datum logprobs and metrics."""
         with torch.enable_grad(), self.model.compute.scope():
-            batch = make_batch(data, self.vocab_size)
+            batch = self._batch(data, loss_fn, loss_fn_config)
             lp_T, entropy = self._logprobs(data, batch)
             elementwise, metrics = self._loss(batch, lp_T, loss_fn, loss_fn_config)
             metrics = {**metrics, **entropy}

@@ -9,10 +9,12 @@ workers) need not build torch tensors.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal, Mapping, Sequence
 
 import numpy as np
+
+from lockstep.config.types import ConfigError, check_adam
 
 StopReason = Literal["stop", "length"]
 
@@ -145,14 +147,11 @@ class AdamParams:
     """Global L2 norm clip; 0 disables."""
 
     def __post_init__(self) -> None:
-        for name in ("learning_rate", "eps", "weight_decay", "grad_clip_norm"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise EngineError(f"adam_params.{name} must be a finite number >= 0, got {v!r}")
-        for name in ("beta1", "beta2"):
-            v = getattr(self, name)
-            if not (0 <= v < 1):
-                raise EngineError(f"adam_params.{name} must be in [0, 1), got {v!r}")
+        # The API checks the same ranges; the trainer does not rely on it (1e30 leaves a model NaN).
+        try:
+            check_adam({f.name: getattr(self, f.name) for f in fields(self)})
+        except ConfigError as e:
+            raise EngineError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -172,3 +171,51 @@ class LoraSpec:
             raise EngineError(f"lora rank must be an integer >= 1, got {self.rank!r}")
         if not self.target_modules:
             raise EngineError("lora target_modules must name at least one module")
+
+
+@dataclass(frozen=True)
+class ForwardFingerprint:
+    """What decides the bits a component's forward computes (engine/fingerprint.py measures it).
+
+    Two components with equal fingerprints compute the same logprobs, bit for bit, from the same
+    weights and tokens: what the sampler-trainer agreement rests on. Each field is something that
+    was seen, or is documented, to change a result when it differs between two processes."""
+
+    path: str
+    """"fused" (the C++ kernels), "eager" (pure PyTorch: e.g. a node without the fused build) or
+    "triton"."""
+    kernel_build: str
+    """The loaded fused build's tag (engine/kernels tag(): sources, flags, torch, CPU); "" when the
+    path is not "fused"."""
+    device: str
+    """"cpu (x86_64)", or "cuda: <GPU name>, sm_<compute capability>"."""
+    dtype: str
+    isa: tuple[str, ...]
+    """The CPU's instruction-set flags that select another code path in MKL, ATen or libm (sorted;
+    engine/fingerprint.py RESULT_ISA says why each); () on a GPU, whose forward does not run there."""
+    aten_cpu: str
+    """ATen's CPU kernel level (torch.backends.cpu.get_cpu_capability(): "AVX2", "AVX512", ...):
+    the eager path's elementwise ops differ by an ulp between levels; "" on a GPU."""
+    mkl: str
+    """MKL's version, its CNR mode (MKL_CBWR, strict or not) and the branch MKL picks for this CPU;
+    "none" without MKL, "" on a GPU."""
+    matmul_precision: str
+    """torch's float32 matmul precision ("highest": IEEE products; lower lets oneDNN use bf16/tf32)."""
+    libraries: str
+    """torch and the C library (whose libm the kernels call), plus Triton and CUDA on that path."""
+    probe: str
+    """sha256 (16 hex digits) of the logprobs of a fixed 16-token forward through the loaded model:
+    a measurement that catches what no field above names."""
+
+    def differences(self, reference: "ForwardFingerprint") -> tuple[str, ...]:
+        """One phrase per field in which this forward differs from `reference`'s, this one's value
+        first: ("path 'eager' vs 'fused'", ...); () when they compute the same bits."""
+        out = []
+        for name in self.__dataclass_fields__:
+            mine, theirs = getattr(self, name), getattr(reference, name)
+            if mine == theirs:
+                continue
+            if name == "isa":  # the flags only one side has: a full list would bury them
+                mine, theirs = " ".join(sorted(set(mine) - set(theirs))), " ".join(sorted(set(theirs) - set(mine)))
+            out.append(f"{name} {mine!r} vs {theirs!r}")
+        return tuple(out)

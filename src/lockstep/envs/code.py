@@ -9,18 +9,44 @@ for warm-up). MBPP's `text` / `test_list` / `code` names are accepted too. The s
 
 The completion is parsed as code: the body of the first fenced block (```python ... ```), or, when
 the prompt itself opened a fence (the default template ends with one), everything up to the
-closing fence; text without a fence is taken as plain code. Every test runs in the same
-interpreter after the program; one that times out or hits a limit kills the interpreter, and the
-tests after it fail. Timeouts, crashes (exceptions, nonzero exits, signals) and sandbox violations
-(limits hit) are counted separately in the step's metrics.
+closing fence; text without a fence is taken as plain code.
+
+Grading (sandbox/grading.py): the program runs in one sandbox; the tests run, one after another in
+one namespace, in a second sandbox that never runs the program's code, and each test's pass or
+fail is decided there (a test passes when it raises nothing), so nothing the program does (its
+own `bool`, objects that equal everything, a patched launcher, a forged answer, reading the
+tests) can make a test pass. What the tests see of the program's top-level names:
+  - functions (and other callables) as proxies: a call sends its arguments to the program as
+    plain data and returns the result as plain data: None, bool, int, float, complex, str, bytes,
+    bytearray, and tuples, lists, dicts, sets, frozensets and ranges of those (exact types, no
+    subclasses); a built-in iterator or generator comes back as a list iterator of its items. A
+    list, dict, set or bytearray argument is updated in place to its value after the call; what
+    the call printed is written to the tests' stdout (so `contextlib.redirect_stdout` checks
+    work); an exception it raised is raised in the test as the built-in class of that name (or a
+    plain class named after it, deriving from its nearest built-in base), so `try/except` tests work;
+  - plain values as copies; imported standard-library modules as the tests' own imports of them
+    (under their own name only: not `import cmath as math`); exception classes as plain classes of
+    the same name;
+  - names that would hide a builtin are not bound (the problem's entry point excepted); the
+    program's own functions can be passed to its functions (they travel by name).
+So every form of test works: `assert f(x) == y`, bare `assert f(x)`, `<`, `!=`, `is`,
+`math.isclose(f(x), y)`, `set(f(x)) == set(...)`, loops, multi-line statements, helper definitions.
+Forms that fail (never pass): a result or argument that is not plain data (an instance of the
+program's class, a lambda passed to the program), calling methods of the program's objects, names
+the program defines that are neither callables, plain values nor standard-library modules, and a
+function that exits (SystemExit), raises StopIteration (which would silently end a test's map()),
+or returns more than grading.MAX_VALUE_BYTES of data. Identity is
+not kept (values are copies), and a test changing a copied top-level value does not change the
+program's. A test's time is its own plus its calls' (at most `wall_s`); a timeout or limit in
+either sandbox, or the program's interpreter dying, fails that test and the ones after it.
+Timeouts, crashes (exceptions, nonzero exits, signals) and sandbox violations (limits hit) are
+counted separately in the step's metrics.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import re
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -93,95 +119,14 @@ class Outcome:
     violation (a sandbox limit), missing_entry_point."""
 
 
-_LITERAL_ERRORS = (ValueError, TypeError, SyntaxError, MemoryError, RecursionError)
-
-
-def split_assert(test: str) -> tuple[str, str, object] | None:
-    """(expression, comparison, expected) of a test of the form `assert EXPR == LITERAL` (either
-    side), `assert EXPR is None/True/False` or `assert EXPR` / `assert not EXPR`; None otherwise.
-
-    Such a test is judged here, outside the sandbox: only the expression's value comes back (as
-    its repr, read as a Python literal), so a program cannot pass it by forging the interpreter's
-    answer, by exiting early, or with an object that equals everything."""
-    try:
-        body = ast.parse(test).body
-    except _LITERAL_ERRORS:
-        return None
-    if len(body) != 1 or not isinstance(body[0], ast.Assert):
-        return None
-    t = body[0].test
-    if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], (ast.Eq, ast.Is)):
-        for expr, lit in ((t.left, t.comparators[0]), (t.comparators[0], t.left)):
-            try:
-                value = ast.literal_eval(lit)
-            except _LITERAL_ERRORS:
-                continue
-            if isinstance(t.ops[0], ast.Is) and value not in (None, True, False):
-                return None
-            return ast.unparse(expr), "is" if isinstance(t.ops[0], ast.Is) else "==", value
-        return None
-    if isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.Not):
-        return f"bool({ast.unparse(t.operand)})", "==", False
-    return f"bool({ast.unparse(t)})", "==", True
-
-
-def judged(verdict, marker: str, comparison: str, expected) -> bool:
-    """Whether the value the sandbox printed after `marker` satisfies the comparison."""
-    _, found, text = verdict.stdout.rpartition(marker)
-    if not found:
-        return False
-    try:
-        value = ast.literal_eval(text.rstrip("\n"))
-    except _LITERAL_ERRORS:
-        return False  # not a plain value: no custom __eq__ decides a test
-    try:  # the assert's own semantics, on plain values
-        return value is expected if comparison == "is" else bool(value == expected)
-    except Exception:  # noqa: BLE001 - a comparison of literals that raises is a failed test
-        return False
-
-
-async def run_test(session, test: str):
-    """(passed, the call's verdict) of one test in the program's interpreter."""
-    split = split_assert(test)
-    if split is None:  # a statement we cannot judge from outside: it runs as written
-        verdict = await session.cell(test)
-        return verdict.ok, verdict
-    expr, comparison, expected = split
-    marker = f"@@lockstep-{secrets.token_hex(8)}@@"
-    verdict = await session.cell(f"print({marker!r} + repr(({expr})))")
-    return verdict.ok and judged(verdict, marker, comparison, expected), verdict
-
-
 async def run_tests(program: str, problem: Problem, limits: Limits) -> Outcome:
-    """Run `program` then each test in one sandboxed interpreter."""
-    from lockstep.sandbox.pool import Session
+    """Grade `program` by the problem's tests: the program runs in one sandbox, the tests in another
+    that never runs the program's code (sandbox/grading.py; the forms supported are in the module
+    docstring)."""
+    from lockstep.sandbox.grading import grade
 
-    total = len(problem.tests)
-    session = Session(limits)
-    try:
-        verdict = await session.cell(program)
-        if not verdict.ok:
-            return Outcome(0, total, _hard(verdict))
-        if problem.entry_point:
-            check = await session.cell(f"assert callable({problem.entry_point})")
-            if not check.ok:
-                return Outcome(0, total, "missing_entry_point" if check.status == "error" else _hard(check))
-        passed, reason = 0, "ok"
-        for test in problem.tests:
-            ok, verdict = await run_test(session, test)
-            if ok:
-                passed += 1
-            elif verdict.status in ("ok", "error"):
-                reason = "failed" if reason == "ok" else reason
-            else:  # the interpreter was killed: the remaining tests cannot run
-                return Outcome(passed, total, _hard(verdict))
-        return Outcome(passed, total, reason)
-    finally:
-        session.close()
-
-
-def _hard(verdict) -> str:
-    return {"timeout": "timeout", "limit": "violation"}.get(verdict.status, "crash")
+    graded = await grade(program, problem.tests, limits, entry_point=problem.entry_point)
+    return Outcome(sum(graded.passed), len(problem.tests), graded.reason)
 
 
 class CodeEnv(SingleTurnEnv):

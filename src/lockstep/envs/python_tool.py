@@ -11,6 +11,9 @@ field, Python that prints the answer, makes the row's warm-up transcript a tool 
 procedural arithmetic that is worth computing (products, sums and remainders of `env.digits`-digit
 numbers, graded exactly).
 
+Between turns the interpreter is stopped (`Session(pause_idle=True)`: its cgroup v2 frozen, or its
+processes SIGSTOPped), so nothing a cell left behind runs while the model writes.
+
 Snapshots are the episode's text and the cells that ran; `restore()` replays those cells into a
 fresh interpreter before the next one runs (measured cheaper and simpler than forking a paused
 interpreter, see BENCHMARKS.md: a replay costs the cells' own run time, and a snapshot is a few
@@ -129,8 +132,8 @@ class PythonToolEnv:
     async def _run(self, code: str) -> str:
         from lockstep.sandbox.pool import Session
 
-        if self._session is None:
-            self._session = Session(self.limits)
+        if self._session is None:  # stopped between turns: nothing of it runs while the model writes
+            self._session = Session(self.limits, pause_idle=True)
         if self._replay:
             await self._replay_cells()
         self.calls += 1

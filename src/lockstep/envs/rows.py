@@ -6,80 +6,68 @@ per-epoch shuffle keyed by (seed, epoch), so `get_batch(i)` is a pure function o
 
 from __future__ import annotations
 
-import json
 import random
 import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
+from lockstep.envs.datafile import budget_from_env, iter_rows
 from lockstep.envs.types import DataReport, EnvError, SFTExample
 
 MAX_WARNINGS = 10
 """Skipped rows warned about one by one; the rest are summarised in one line."""
 
 
-def _parse_line(number: int, line: str) -> dict | EnvError:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        return EnvError(f"line {number}: invalid JSON ({e.msg}); skipped")
-    return row if isinstance(row, dict) else EnvError(f"line {number}: expected a JSON object; skipped")
-
-
-def _read_raw(path: Path) -> list:
-    """Rows of a file in order; an unreadable jsonl line becomes an EnvError in its place."""
-    if path.suffix == ".jsonl":
-        lines = path.read_text().splitlines()
-        return [_parse_line(i, line) for i, line in enumerate(lines, start=1) if line.strip()]
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    raise EnvError(f"{path}: expected a .jsonl or .parquet file")
-
-
 def read_rows(path: str | Path, fields: Sequence[Sequence[str]], *, optional: Sequence[str] = (),
-              check: Callable[[dict], str] | None = None) -> tuple[list[dict], DataReport]:
+              check: Callable[[dict], str] | None = None,
+              budget_bytes: int | None = None) -> tuple[list[dict], DataReport]:
     """Rows of `path` holding every field; each entry of `fields` lists accepted names for one
     field (the first present wins), and the returned rows use the first name as the key. Fields
     named in `optional` are kept when present. `check(row)` returns why a row is unusable ('' if
     it is fine).
 
     Rows with a missing or empty field, or that `check` rejects, are skipped with a warning naming
-    the row (1-based).
+    the row (1-based). The file is read as a stream: past `budget_bytes` of decoded rows (default:
+    $LOCKSTEP_DATA_BUDGET_BYTES, else 1 GiB) it stops with DataBudgetExceeded.
     """
     path = Path(path)
     if not path.is_file():
         raise EnvError(f"data file {str(path)!r} does not exist")
-    raw, rows, skipped = _read_raw(path), [], []
-    for number, row in enumerate(raw, start=1):
-        if isinstance(row, EnvError):
-            skipped.append(f"{path}: {row}")
-            continue
-        out, missing = {}, None
-        for names in fields:
-            value = next((row[n] for n in names if n in row and row[n] not in (None, "")), None)
-            if value is None:
-                missing = "/".join(names)
-                break
-            out[names[0]] = value
-        if missing is not None:
-            skipped.append(f"{path}: row {number}: missing field {missing!r}; skipped")
-            continue
-        out.update({name: row[name] for name in optional if row.get(name) not in (None, "")})
-        problem = check(out) if check else ""
-        if problem:
-            skipped.append(f"{path}: row {number}: {problem}; skipped")
-        else:
+    budget = budget_from_env() if budget_bytes is None else budget_bytes
+    rows, warned, num_read, num_skipped = [], [], 0, 0
+    for number, row in enumerate(iter_rows(path, budget_bytes=budget), start=1):
+        num_read += 1
+        out, problem = _usable(number, row, fields, optional, check)
+        if out is not None:
             rows.append(out)
-    for message in skipped[:MAX_WARNINGS]:
+            continue
+        num_skipped += 1
+        if len(warned) < MAX_WARNINGS:  # only these are kept: a file may skip millions of rows
+            warned.append(f"{path}: {problem}; skipped")
+    for message in warned:
         warnings.warn(message, stacklevel=2)
-    if len(skipped) > MAX_WARNINGS:
-        warnings.warn(f"{path}: {len(skipped) - MAX_WARNINGS} more rows skipped (missing or malformed fields)",
+    if num_skipped > MAX_WARNINGS:
+        warnings.warn(f"{path}: {num_skipped - MAX_WARNINGS} more rows skipped (missing or malformed fields)",
                       stacklevel=2)
     if not rows:
-        raise EnvError(f"{path}: no usable rows (need fields {[list(f) for f in fields]}; {len(skipped)} skipped)")
-    return rows, DataReport(rows=len(raw), skipped=len(skipped))
+        raise EnvError(f"{path}: no usable rows (need fields {[list(f) for f in fields]}; {num_skipped} skipped)")
+    return rows, DataReport(rows=num_read, skipped=num_skipped)
+
+
+def _usable(number: int, row: dict | EnvError, fields: Sequence[Sequence[str]], optional: Sequence[str],
+            check: Callable[[dict], str] | None) -> tuple[dict | None, str]:
+    """(the row's fields under their first names, '') or (None, why it is skipped)."""
+    if isinstance(row, EnvError):
+        return None, str(row)
+    out = {}
+    for names in fields:
+        value = next((row[n] for n in names if n in row and row[n] not in (None, "")), None)
+        if value is None:
+            return None, f"row {number}: missing field {'/'.join(names)!r}"
+        out[names[0]] = value
+    out.update({name: row[name] for name in optional if row.get(name) not in (None, "")})
+    problem = check(out) if check else ""
+    return (None, f"row {number}: {problem}") if problem else (out, "")
 
 
 class EpochBatches:

@@ -14,7 +14,9 @@ from typing import Mapping
 
 import torch
 
-from lockstep.config.types import LOSS_CORRECTION_KEYS, LOSSES as BUILTIN_LOSSES, UNSUPPORTED_LOSSES
+from lockstep.config.types import (LOSS_CONFIG_RANGES, LOSS_CORRECTION_KEYS, LOSS_INPUTS, UNSUPPORTED_LOSSES,
+                                   missing_loss_input)
+from lockstep.config.types import LOSSES as BUILTIN_LOSSES
 from lockstep.losses import cispo, cross_entropy, dro, gspo, importance_sampling, ppo
 from lockstep.losses.corrections import CORRECTION_KEYS, apply_corrections
 from lockstep.losses.types import LossError, LossFn, LossInputs, is_metric_key
@@ -22,12 +24,14 @@ from lockstep.losses.types import LossError, LossFn, LossInputs, is_metric_key
 __all__ = [
     "LOSSES",
     "LOSS_CONFIG_KEYS",
+    "LOSS_REQUIRED_INPUTS",
     "LossError",
     "LossFn",
     "LossInputs",
     "apply_corrections",
     "compute_loss",
     "get_loss",
+    "missing_input",
     "register_loss",
 ]
 
@@ -36,6 +40,9 @@ LOSSES: dict[str, LossFn] = {}
 
 LOSS_CONFIG_KEYS: dict[str, Mapping[str, float] | None] = {}
 """Per loss, its allowed config keys with defaults; None means the loss accepts any keys."""
+
+LOSS_REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {}
+"""Per loss, the loss_fn_inputs keys every datum must carry (the others get LossInputs' defaults)."""
 
 _UNSUPPORTED = UNSUPPORTED_LOSSES
 """Names a user may reasonably ask for that are deliberately not implemented, with the reason
@@ -53,18 +60,21 @@ _USER_FIELDS = (
 
 
 def register_loss(
-    name: str, fn: LossFn, *, config_keys: Mapping[str, float] | None = None, overwrite: bool = False
+    name: str, fn: LossFn, *, config_keys: Mapping[str, float] | None = None,
+    inputs: tuple[str, ...] = ("target_tokens",), overwrite: bool = False
 ) -> None:
     """Register `fn` under `name`.
 
     `config_keys` maps each accepted config key to its default; None accepts any keys (for custom
-    losses that validate their own config). Raises LossError if the name is taken, unless
-    `overwrite=True`.
+    losses that validate their own config). `inputs`: the loss_fn_inputs keys every datum must
+    carry; a missing one is refused rather than given LossInputs' default (zeros for logprobs and
+    advantages). Raises LossError if the name is taken, unless `overwrite=True`.
     """
     if name in LOSSES and not overwrite:
         raise LossError(f"loss {name!r} is already registered; pass overwrite=True to replace it")
     LOSSES[name] = fn
     LOSS_CONFIG_KEYS[name] = dict(config_keys) if config_keys is not None else None
+    LOSS_REQUIRED_INPUTS[name] = tuple(inputs)
 
 
 def _supported() -> str:
@@ -81,7 +91,12 @@ def get_loss(name: str) -> LossFn:
 
 
 def _validate_config(name: str, config: Mapping[str, float]) -> None:
+    # The API checked these too; the worker does not trust that (a stored body, a direct caller).
+    builtin = name in BUILTIN_LOSSES and LOSS_CONFIG_KEYS[name] is not None
     for key, value in config.items():
+        bounds = LOSS_CONFIG_RANGES.get(key) if builtin or key in CORRECTION_KEYS else None
+        if bounds is not None and not bounds.holds(value):
+            raise LossError(f"loss_fn_config[{key!r}] must be a number in {bounds}, got {value!r}")
         if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
             raise LossError(f"loss_fn_config[{key!r}] must be a finite number, got {value!r}")
     allowed = LOSS_CONFIG_KEYS[name]
@@ -91,6 +106,14 @@ def _validate_config(name: str, config: Mapping[str, float]) -> None:
     if unknown:
         keys = ", ".join(sorted(allowed) + sorted(CORRECTION_KEYS))
         raise LossError(f"loss {name!r} got unknown config key(s) {', '.join(map(repr, unknown))}; allowed: {keys}")
+
+
+def missing_input(name: str, config: Mapping[str, float] | None, data_keys) -> str | None:
+    """Which input the first datum lacking one lacks, for loss `name` with `config` (a message
+    naming the datum and the key), or None. data_keys: each datum's loss_fn_inputs keys. Raises
+    LossError for an unknown loss."""
+    get_loss(name)
+    return missing_loss_input(name, LOSS_REQUIRED_INPUTS[name], dict(config or {}), data_keys)
 
 
 def _validate_inputs(inputs: LossInputs) -> None:
@@ -137,14 +160,15 @@ def compute_loss(
     return loss_T, metrics
 
 
-register_loss("cross_entropy", cross_entropy.cross_entropy_loss, config_keys=cross_entropy.CONFIG_KEYS)
-register_loss(
-    "importance_sampling", importance_sampling.importance_sampling_loss, config_keys=importance_sampling.CONFIG_KEYS
-)
-register_loss("ppo", ppo.ppo_loss, config_keys=ppo.CONFIG_KEYS)
-register_loss("cispo", cispo.cispo_loss, config_keys=cispo.CONFIG_KEYS)
-register_loss("dro", dro.dro_loss, config_keys=dro.CONFIG_KEYS)
-register_loss("gspo", gspo.gspo_loss, config_keys=gspo.CONFIG_KEYS)
+register_loss("cross_entropy", cross_entropy.cross_entropy_loss, config_keys=cross_entropy.CONFIG_KEYS,
+              inputs=cross_entropy.INPUTS)
+register_loss("importance_sampling", importance_sampling.importance_sampling_loss,
+              config_keys=importance_sampling.CONFIG_KEYS, inputs=importance_sampling.INPUTS)
+register_loss("ppo", ppo.ppo_loss, config_keys=ppo.CONFIG_KEYS, inputs=ppo.INPUTS)
+register_loss("cispo", cispo.cispo_loss, config_keys=cispo.CONFIG_KEYS, inputs=cispo.INPUTS)
+register_loss("dro", dro.dro_loss, config_keys=dro.CONFIG_KEYS, inputs=dro.INPUTS)
+register_loss("gspo", gspo.gspo_loss, config_keys=gspo.CONFIG_KEYS, inputs=gspo.INPUTS)
 # The torch-free list of built-in names (config, the service's API) must be exactly this registry.
 assert {k: tuple(v) for k, v in LOSS_CONFIG_KEYS.items()} == BUILTIN_LOSSES, "update config.types.LOSSES"
 assert set(CORRECTION_KEYS) == set(LOSS_CORRECTION_KEYS), "update config.types.LOSS_CORRECTION_KEYS"
+assert LOSS_REQUIRED_INPUTS == LOSS_INPUTS, "update config.types.LOSS_INPUTS"

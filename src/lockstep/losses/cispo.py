@@ -18,6 +18,8 @@ from lockstep.losses.types import LossInputs, metric_mean
 
 CONFIG_KEYS: Mapping[str, float] = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 """Allowed config keys and their defaults."""
+INPUTS: tuple[str, ...] = ("target_tokens", "logprobs", "advantages")
+"""The loss_fn_inputs every datum must carry; per-token clip thresholds are optional."""
 
 
 def cispo_loss(inputs: LossInputs, config: Mapping[str, float]) -> tuple[torch.Tensor, dict[str, float]]:

@@ -16,6 +16,8 @@ from lockstep.losses.types import LossInputs
 
 CONFIG_KEYS: Mapping[str, float] = {}
 """cross_entropy takes no config."""
+INPUTS: tuple[str, ...] = ("target_tokens",)
+"""cross_entropy needs only targets: weights default to ones."""
 
 
 def cross_entropy_loss(inputs: LossInputs, config: Mapping[str, float]) -> tuple[torch.Tensor, dict[str, float]]:

@@ -18,6 +18,8 @@ from lockstep.losses.types import LossInputs, metric_mean
 
 CONFIG_KEYS: Mapping[str, float] = {"beta": 0.05}
 """Allowed config keys and their defaults."""
+INPUTS: tuple[str, ...] = ("target_tokens", "logprobs", "advantages")
+"""The loss_fn_inputs every datum must carry."""
 
 
 def dro_loss(inputs: LossInputs, config: Mapping[str, float]) -> tuple[torch.Tensor, dict[str, float]]:

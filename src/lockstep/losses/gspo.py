@@ -26,6 +26,9 @@ from lockstep.losses.types import LossInputs, metric_mean, segment_sum
 
 CONFIG_KEYS: Mapping[str, float] = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 """Allowed config keys and their defaults."""
+INPUTS: tuple[str, ...] = ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask")
+"""The loss_fn_inputs every datum must carry: without the mask the prompt (logprobs padded
+with 0) would enter the sequence ratio."""
 
 
 def sequence_log_ratios(inputs: LossInputs) -> torch.Tensor:

@@ -17,6 +17,8 @@ from lockstep.losses.types import LossInputs, metric_max, metric_mean
 
 CONFIG_KEYS: Mapping[str, float] = {}
 """importance_sampling takes no config."""
+INPUTS: tuple[str, ...] = ("target_tokens", "logprobs", "advantages")
+"""The loss_fn_inputs every datum must carry (no documented default)."""
 
 
 def importance_sampling_loss(

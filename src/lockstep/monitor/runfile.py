@@ -6,28 +6,33 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 from pathlib import Path
 
 
 class JsonLines:
     """A JSON-lines file read incrementally: each `new()` returns the objects of the lines completed
-    since the last one; `rewrites` counts the times the file was found shorter (rewritten) and
-    read again from its start."""
+    since the last one; `rewrites` counts the times the file was found shorter or replaced
+    (rewritten) and read again from its start."""
 
     def __init__(self, path: Path):
         self.path, self._offset, self.rewrites = Path(path), 0, 0
+        self._inode: int | None = None
 
     def new(self) -> list[dict]:
         try:
-            size = self.path.stat().st_size
+            f = open(self.path, "rb")
         except FileNotFoundError:
             return []
-        if size < self._offset:
-            self._offset, self.rewrites = 0, self.rewrites + 1
-        with open(self.path, "rb") as f:
+        with f:
+            st = os.fstat(f.fileno())
+            # A rewrite replaces the file (a new inode) and may have grown past our offset since.
+            if st.st_size < self._offset or (self._inode is not None and st.st_ino != self._inode):
+                self._offset, self.rewrites = 0, self.rewrites + 1
+            self._inode = st.st_ino
             f.seek(self._offset)
-            chunk = f.read(size - self._offset)
+            chunk = f.read(st.st_size - self._offset)
         complete = chunk[: chunk.rfind(b"\n") + 1]  # a partial last line: the next call
         self._offset += len(complete)
         out = []

@@ -51,6 +51,14 @@ def _load(model_path: str, lora_rank: int, lora_alpha: float, train_experts=None
     return Trainer.from_pretrained(model_path, lora=lora, train_experts=train_experts, compute=Compute(device, dtype))
 
 
+def _fingerprint(trainer):
+    """This process's ForwardFingerprint (engine/fingerprint.py), on the weights just loaded: what
+    the controller compares between the trainer and every other component that runs the model."""
+    from lockstep.engine.fingerprint import forward_fingerprint
+
+    return forward_fingerprint(trainer.model)
+
+
 def _mismatch(data, outputs, sampled_from) -> dict:
     """max/mean |Δlogp|, the k3 KL estimate and the normalised ESS of trainer vs sampler logprobs,
     over the sampled tokens (weights > 0 from `sampled_from[i]` on)."""
@@ -80,6 +88,7 @@ class TrainerActor:
                  dtype: str = "float32", replica_gpus: float = 0.0):
         _set_threads(threads)
         self.trainer = _load(model_path, lora_rank, lora_alpha, train_experts, device, dtype)
+        self.forward = _fingerprint(self.trainer)
         self.busy_s = 0.0
         self.incarnation = uuid.uuid4().hex
         self.state_lost = _reconstructed()
@@ -91,6 +100,8 @@ class TrainerActor:
         if replicas > 1 or micro_batches > 1:
             self._start_replicas(replicas, replica_cpus, replica_gpus,
                                  (model_path, lora_rank, lora_alpha, threads, train_experts, device, dtype))
+        self.rank_forwards = tuple(ray.get([h.fingerprint.remote() for h in self.helpers]))
+        """Ranks 1.. of a data-parallel trainer: their fingerprints, compared like the replicas'."""
 
     def _start_replicas(self, replicas: int, cpus: float, gpus: float, load_args: tuple) -> None:
         """Rank 0 of `replicas` trainer processes: the others are actors this one owns (they die
@@ -191,7 +202,8 @@ class TrainerActor:
 
     def stats(self) -> dict:
         return {"version": self.trainer.step, "busy_s": self.busy_s, "incarnation": self.incarnation,
-                "replicas": 1 + len(self.helpers), "node": _node()}
+                "replicas": 1 + len(self.helpers), "node": _node(),
+                "forward": self.forward, "rank_forwards": self.rank_forwards}
 
 
 @ray.remote
@@ -206,6 +218,7 @@ class TrainerReplica:
 
         _set_threads(threads)
         self.trainer = _load(model_path, lora_rank, lora_alpha, train_experts, device, dtype)
+        self.forward = _fingerprint(self.trainer)
         init_group(rank, world, address, port, device=device)
         self.dp = DataParallel(self.trainer, rank=rank, world=world)
 
@@ -218,6 +231,9 @@ class TrainerReplica:
 
     def load_state(self, path: str) -> None:
         self.trainer.load_state(path)
+
+    def fingerprint(self):
+        return self.forward
 
     def set_threads(self, n: int) -> None:
         _set_threads(n)
@@ -270,6 +286,7 @@ class GeneratorActor:
         from lockstep.engine.sampler import Sampler
 
         trainer = _load(model_path, lora_rank, lora_alpha, None, device, dtype)  # same module tree and parameter names
+        self.forward = _fingerprint(trainer)
         self.params = trainer.params
         drafter = make_drafter(speculative.drafter, target=trainer.model, tokenizer=trainer.tokenizer,
                                **speculative.drafter_options()) if speculative else None
@@ -408,7 +425,7 @@ class GeneratorActor:
                 "swap_latency_s_max": max(lat) if lat else 0.0, "swap_latency_s_last": lat[-1] if lat else 0.0,
                 "swaps": len(lat), "stalls": len(stalls), "stall_s_max": max(stalls) if stalls else 0.0,
                 "stall_s_sum": sum(stalls), "requests": self.requests, "sampling": self._sampling, "held": self._held,
-                "node": _node(),
+                "node": _node(), "forward": self.forward,
                 "speculative": self.sampler.speculation_stats()}
 
 

@@ -41,7 +41,8 @@ from lockstep.config.types import StageSpec
 from lockstep.monitor.trace import Timed
 from lockstep.runtime.calls import ComponentDead, ComponentError, is_component_loss, wait
 from lockstep.runtime.filters import FilterReport, clean, to_datums, too_stale
-from lockstep.runtime.fleet import GeneratorFleet
+from lockstep.runtime import forwards
+from lockstep.runtime.fleet import GeneratorFleet, replica_name
 from lockstep.runtime.ledger import Ledger
 from lockstep.runtime.types import MAX_REFILL_BATCHES, RolloutGroup, RolloutRequest
 
@@ -86,6 +87,12 @@ class Components:
     starting_generators: list = field(default_factory=list)
     """Generator replicas the allocator started: (index, actor, ref of its first stats(), start
     time), added to the fleet once ready and given the newest weights."""
+    allow_mixed_forward: bool = False
+    """runtime.allow_mixed_forward: take part even when a component's forward differs from the
+    trainer's (runtime/forwards.py)."""
+    forwards: dict = field(default_factory=dict)
+    """Per component that runs the model (trainer ranks, generator replicas), the ForwardFingerprint
+    it reported."""
 
     def actors(self) -> dict:
         return {"trainer": self.trainer, **self.fleet.live(), **{f"env{i}": e for i, e in enumerate(self.envs)}}
@@ -196,13 +203,17 @@ class Components:
             self.starting_generators.remove(entry)
             try:
                 s = wait(ref, self.timeout, "generator.stats")
-                if self.weights_ref is not None:
+                admitted = not self.compare_forwards({replica_name(index): s})
+                if admitted and self.weights_ref is not None:
                     wait(actor.set_weights.remote(self.version, self.weights_ref, time.time(), self.lineage), self.timeout,
                          "generator.set_weights")
             except ComponentError as e:  # it failed to start (its error is in the message)
                 ray.kill(actor)
                 self.stats["alloc/generator_start_failures"] += 1
                 log.warning("a new generator replica failed to start: %s", e)
+                continue
+            if not admitted:
+                ray.kill(actor)
                 continue
             name = self.fleet.add(index, actor)
             self.incarnations[name], self.nodes[name] = s["incarnation"], s["node"]
@@ -219,8 +230,35 @@ class Components:
         self.set_threads(*self.threads)
 
     def _forget(self, name: str) -> None:
-        for d in (self.incarnations, self.nodes, self.last_stats, self.busy_before):
+        for d in (self.incarnations, self.nodes, self.last_stats, self.busy_before, self.forwards):
             d.pop(name, None)
+
+    # -- every component computes the trainer's bits (runtime/forwards.py) -------------------
+    def compare_forwards(self, stats: dict, *, start: bool = False) -> list[str]:
+        """Note the fingerprints in `stats` (actor name -> its stats()) and compare every
+        component's with the trainer's. At start a difference refuses the run (MixedForward).
+        Later, the generator replicas that differ are returned, to be kept out (forgotten here,
+        logged, counted) while other replicas are left; a trainer rank that differs, or no replica
+        left, refuses the run. With runtime.allow_mixed_forward all take part, differences logged."""
+        new = forwards.reported(stats)
+        self.forwards = {**({} if start else self.forwards), **new}
+        diffs = forwards.differing(self.forwards)
+        if not diffs or self.allow_mixed_forward:
+            # components taking part with another forward (all of them again if the trainer is new)
+            self.stats["runtime/mixed_forward"] += len(diffs) if forwards.REFERENCE in new else len(diffs.keys() & new)
+            if diffs:
+                log.warning("runtime.allow_mixed_forward = true, running with: %s. The mismatch panel (metrics "
+                            "mismatch/*) measures what it costs", forwards.describe(diffs))
+            return []
+        out = [name for name in diffs if not name.startswith(forwards.REFERENCE)]
+        if start or len(out) < len(diffs) or not set(self.fleet.live()) - set(out):
+            raise forwards.refusal(diffs)
+        for name in out:
+            self._forget(name)
+            self.stats["runtime/forward_refused"] += 1
+            log.warning("%s is kept out of the run: %s. To use it: %s", name, forwards.describe({name: diffs[name]}),
+                        forwards.FIX)
+        return out
 
     def request_cpus(self, num_cpus: int) -> None:
         """Ask the Ray autoscaler for a cluster of at least `num_cpus` CPUs (0 withdraws the
@@ -279,6 +317,7 @@ class Components:
         stats = {name: wait(a.stats.remote(), self.timeout, f"{name}.stats") for name, a in self.actors().items()}
         self.incarnations = {name: s["incarnation"] for name, s in stats.items()}
         self.nodes = {name: s["node"] for name, s in stats.items()}
+        self.compare_forwards(stats, start=True)
 
     def recover(self) -> None:
         """After a component loss: wait until Ray has restarted every actor, give a restarted
@@ -286,15 +325,16 @@ class Components:
         restarted. A generator replica out of restarts is dropped while others are left (the
         run degrades to them, with a warning); any other actor out of restarts raises."""
         self._settle_quietly()
-        now, nodes = {}, {}
+        now, nodes, seen = {}, {}, {}
         for name in list(self.actors()):
             try:
-                s = self.ping(name)
+                s = seen[name] = self.ping(name)
                 now[name], nodes[name] = s["incarnation"], s["node"]
             except ComponentDead:
                 if name not in self.fleet.names or len(self.fleet.router.live) == 1:
                     raise
                 self.fleet.router.drop(self.fleet.index(name))
+                self.forwards.pop(name, None)
                 self.stats["runtime/generators_lost"] += 1
                 log.warning("%s is out of restarts: going on with %d generator replica(s)", name,
                             len(self.fleet.router.live))
@@ -306,10 +346,14 @@ class Components:
             log.warning("%s restarted on another node (node %s lost?): the run goes on with the nodes left",
                         ", ".join(moved), ", ".join(sorted({self.nodes[n][:12] for n in moved})))
         self.incarnations, self.nodes = now, nodes
+        for name in self.compare_forwards({name: seen[name] for name in restarted}):  # it may run elsewhere now
+            actor = self.actors()[name]
+            self.fleet.router.drop(self.fleet.index(name))
+            ray.kill(actor)
         if "trainer" in restarted:
             raise TrainerLost("the trainer actor was restarted")
         for name in restarted:
-            if name in self.fleet.names:
+            if name in self.fleet.live():  # not dropped above
                 g = self.actors()[name]
                 wait(g.set_threads.remote(self.replica_threads()), self.timeout, f"{name}.set_threads")
                 if self.weights_ref is not None:

@@ -119,9 +119,9 @@ def token_advantages(samples, estimator) -> list[tuple[float, float]]:
 
 def to_datums(groups: Sequence[RolloutGroup], *, estimator: str = "grpo"):
     """Policy-gradient datums: sampled tokens carry the sample's group-centred advantage, the
-    sampler's exact logprobs and weight 1; prompt and env-inserted tokens carry weight 0 and no
-    advantage. With forked episodes, the advantages are per segment (`token_advantages`), and a
-    family's shared prefix is trained once, in the branch that owns it.
+    sampler's exact logprobs, weight 1 and sequence_ratio_mask 1 (gspo's); prompt and env-inserted
+    tokens carry 0 in both and no advantage. With forked episodes, the advantages are per segment
+    (`token_advantages`), and a family's shared prefix is trained once, in the branch that owns it.
 
     Returns (datums, sampled_from): where each datum's sampled tokens start, for the mismatch panel.
     """
@@ -149,6 +149,7 @@ def to_datums(groups: Sequence[RolloutGroup], *, estimator: str = "grpo"):
                 "logprobs": np.concatenate([pad, np.asarray(s.logprobs, np.float32) * mask]),
                 "advantages": np.concatenate([pad, per_token * mask]),
                 "weights": np.concatenate([pad, mask]),
+                "sequence_ratio_mask": np.concatenate([pad, mask]),  # gspo: the ratio over sampled tokens only
             }
             data.append(Datum(tuple(full[:-1]), inputs))
             sampled_from.append(n - 1)

@@ -16,11 +16,15 @@ from pathlib import Path
 
 import ray
 
+from lockstep import memlimit
 from lockstep.config import ConfigError, RunSpec
+from lockstep.envs.datafile import BUDGET_ENV
 from lockstep.runtime import controller as ctl
+from lockstep.runtime import forwards
 from lockstep.runtime.fleet import GeneratorFleet, replica_name
 from lockstep.runtime.plan import Plan, make_plan
-from lockstep.runtime.rundir import PREEMPT, Preempted, actor_name, latest_checkpoint, log, resume_checkpoint
+from lockstep.runtime.rundir import (PREEMPT, Preempted, actor_name, check_writer, latest_checkpoint, log,
+                                     resume_checkpoint, writer_lock)
 from lockstep.runtime.stages import Run
 
 __all__ = ["PREEMPT", "Preempted", "actor_name", "check_losses", "latest_checkpoint", "run"]
@@ -33,6 +37,8 @@ def preempt_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda *_: PREEMPT.set())
 
 
+JOB_LIMITS_ENV = (memlimit.CGROUP_ENV, memlimit.RLIMIT_ENV, BUDGET_ENV)
+"""Variables the job service sets on a job process that its Ray actors must see too."""
 MAX_ROLLBACKS = 16
 """Rollbacks to a checkpoint after a lost trainer before a run gives up (each also spends a Ray
 restart, so runtime.max_restarts bounds them first)."""
@@ -85,6 +91,11 @@ def start_ray(plan: Plan) -> None:
         return
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore",
                         "MKL_CBWR": os.environ.get("MKL_CBWR", "AUTO,STRICT")}}  # see engine/invariant.py
+    # A service job's limits (its memory, its data budget) reach its actors too: they are the
+    # raylet's children, not this process's, and join the job's memory limit as they start.
+    env["env_vars"].update({k: os.environ[k] for k in JOB_LIMITS_ENV if k in os.environ})
+    if memlimit.CGROUP_ENV in os.environ or memlimit.RLIMIT_ENV in os.environ:
+        env["worker_process_setup_hook"] = "lockstep.memlimit.enter_from_env"
     gpus = {"num_gpus": plan.num_gpus} if plan.device == "cuda" else {}
     raylocal.init(plan.ray_address or "", runtime_env=env, log_to_driver=False, num_cpus=plan.num_cpus, **gpus)
 
@@ -143,9 +154,26 @@ def build(spec: RunSpec, plan: Plan, model_path: str, run_dir: Path) -> ctl.Comp
     fleet = GeneratorFleet(generators, r.call_timeout_s, plan.weight_sync)
     envs = [env_worker(spec, model_path, run_dir, f"env{i}", plan.env_cpus, **others[i % len(others)])
             for i in range(plan.env_workers)]
-    c = ctl.Components(trainer, fleet, envs, r.call_timeout_s)
-    c.note_incarnations()  # also surfaces start-up errors early
+    c = ctl.Components(trainer, fleet, envs, r.call_timeout_s, allow_mixed_forward=r.allow_mixed_forward)
+    try:
+        c.note_incarnations()  # also surfaces start-up errors early, and refuses mixed forwards
+    except BaseException:
+        stop(c)
+        raise
     return c
+
+
+def stop(c: ctl.Components) -> None:
+    """Stop every actor of the run (those starting, retiring or draining too)."""
+    c.fleet.close()
+    for actor in c.every_actor():
+        ray.kill(actor)
+
+
+def write_forwards(c: ctl.Components, run_dir: Path) -> None:
+    """forward.json: each component's forward fingerprint and how it differs from the trainer's
+    (runtime/forwards.py); written at start and again when the run ends (replicas may have joined)."""
+    (run_dir / "forward.json").write_text(json.dumps(forwards.report(c.forwards), indent=2) + "\n")
 
 
 def _execute_with_rollbacks(r: Run, c: ctl.Components) -> dict:
@@ -175,30 +203,39 @@ def _execute_with_rollbacks(r: Run, c: ctl.Components) -> dict:
 def run(spec: RunSpec, run_dir: Path, progress=lambda *a, **k: None, *, resume: bool = False,
         preemptible: bool = False) -> dict:
     """Run `spec` into `run_dir`; with `resume`, continue it from its newest checkpoint. With
-    `preemptible`, SIGTERM checkpoints at the next step and raises Preempted."""
+    `preemptible`, SIGTERM checkpoints at the next step and raises Preempted. RunDirError when a
+    live process is writing `run_dir` (this run holds its writer lock from its first write on)."""
+    run_dir = Path(run_dir)
+    check_writer(run_dir)  # first: a live run's directory is refused as such, whatever else is wrong
     check_losses(spec)
     plan = make_plan(spec)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     model_path = resolve_model(spec)
     suite, data = make_env_suite(spec, model_path)
-    run_dir = Path(run_dir)
     if resume and (run_dir / "checkpoints" / "final").is_dir() and (run_dir / "summary.json").is_file():
         return json.loads((run_dir / "summary.json").read_text())  # already complete
+    _check_fresh(run_dir, resume)
+    ckpt = resume_checkpoint(run_dir) if resume else None  # refuses, before any write, if every one is torn
+    with writer_lock(run_dir):
+        _check_fresh(run_dir, resume)  # (again: a run may have started and ended here since)
+        start_ray(plan)
+        if preemptible:
+            preempt_on_sigterm()
+        run_dir.mkdir(parents=True, exist_ok=True)  # the env workers open envs.log in it
+        c = build(spec, plan, model_path, run_dir)
+        # Where each actor started (Ray node ids); summary.json has where each ended.
+        (run_dir / "nodes.json").write_text(json.dumps(c.nodes, indent=2) + "\n")
+        write_forwards(c, run_dir)
+        r = Run(spec, plan, run_dir, progress, suite, data, c)
+        try:
+            r.start(ckpt)
+            summary = _execute_with_rollbacks(r, c)
+            write_forwards(c, run_dir)
+            return summary
+        finally:
+            stop(c)
+
+
+def _check_fresh(run_dir: Path, resume: bool) -> None:
     if not resume and (run_dir / "ledger.jsonl").exists():
         raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick another --run-dir")
-    ckpt = resume_checkpoint(run_dir) if resume else None  # refuses, before any write, if every one is torn
-    start_ray(plan)
-    if preemptible:
-        preempt_on_sigterm()
-    run_dir.mkdir(parents=True, exist_ok=True)  # the env workers open envs.log in it
-    c = build(spec, plan, model_path, run_dir)
-    # Where each actor started (Ray node ids); summary.json has where each ended.
-    (run_dir / "nodes.json").write_text(json.dumps(c.nodes, indent=2) + "\n")
-    r = Run(spec, plan, run_dir, progress, suite, data, c)
-    try:
-        r.start(ckpt)
-        return _execute_with_rollbacks(r, c)
-    finally:
-        c.fleet.close()
-        for actor in c.every_actor():
-            ray.kill(actor)

@@ -10,13 +10,23 @@ A torn checkpoint (one that fails its manifest check) is passed over with a warn
 what is wrong. When checkpoints exist but every one is torn, resuming is refused: starting over
 would silently throw the run away (and its records with it). A run that never committed a
 checkpoint starts over from the base model, saying so.
+
+One writer per directory: a run holds `writer_lock` (an flock on run.lock, which names its holder)
+while it runs; a second run or `--resume` on a live directory is refused, naming the holder. The
+kernel drops the lock when its process dies, however it dies, so a dead run's directory is taken
+over as is. The lock is the driver's: the run's Ray actors (its children, or a job's actors on the
+worker's Ray) write checkpoints and envs.log under it and go when it does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
+import os
 import shutil
+import socket
 import threading
 import time
 from pathlib import Path
@@ -32,7 +42,7 @@ log = logging.getLogger("lockstep.run")
 PREEMPT = threading.Event()
 """Set (by SIGTERM, see `lockstep run`) to checkpoint at the next step boundary and stop."""
 
-LIFETIME_COUNTERS = ("runtime/restarts", "runtime/rollbacks")
+LIFETIME_COUNTERS = ("runtime/restarts", "runtime/rollbacks", "runtime/mixed_forward", "runtime/forward_refused")
 """Counters of what happened to this process's run, kept across a rollback to a checkpoint
 (the other counters go back with the position)."""
 
@@ -43,6 +53,75 @@ class Preempted(Exception):
 
 class RunDirError(ConfigError):
     """A run directory that cannot be continued; the message says why and what to do."""
+
+
+LOCK_FILE = "run.lock"
+_locks: dict[Path, list] = {}
+"""Run directories this process holds: resolved path -> [fd, depth] (writer_lock is reentrant)."""
+
+
+def check_writer(run_dir: Path) -> None:
+    """RunDirError, naming the holder, when a live process is writing `run_dir`; creates and
+    changes nothing (a refused `--resume` must leave the directory as it was)."""
+    path = Path(run_dir).resolve()
+    if path in _locks:
+        return  # this process's own
+    try:
+        fd = os.open(path / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (dropped with the descriptor below)
+    except BlockingIOError:
+        raise _busy(path, fd) from None
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def writer_lock(run_dir: Path):
+    """Hold `run_dir`'s writer lock for the block (reentrant within a process), from before its
+    first write; RunDirError when a live process holds it."""
+    path = Path(run_dir).resolve()
+    if path in _locks:
+        _locks[path][1] += 1
+    else:
+        _locks[path] = [_take(path), 1]
+    try:
+        yield
+    finally:
+        _locks[path][1] -= 1
+        if _locks[path][1] == 0:
+            os.close(_locks.pop(path)[0])  # (closing the descriptor drops the flock)
+
+
+def _take(path: Path) -> int:
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # CLOEXEC: no child keeps it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        error = _busy(path, fd)
+        os.close(fd)
+        raise error from None
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+    return fd
+
+
+def _busy(path: Path, fd: int) -> RunDirError:
+    return RunDirError(f"{path} is being written by a live run: {_holder(fd)}. A second writer would corrupt it, so "
+                       f"nothing was started or changed. Wait for that run to end, or stop it, then continue it with "
+                       f"--resume {path} (or pick another --run-dir)")
+
+
+def _holder(fd: int) -> str:
+    try:
+        h = json.loads(os.pread(fd, 4096, 0))
+        return f"process {int(h['pid'])} on {str(h['host'])[:100]} (started {str(h['started'])[:40]})"
+    except (ValueError, KeyError, TypeError):
+        return "a process that has not written its name to run.lock yet"
 
 
 def actor_name(run_dir: Path, role: str) -> str:

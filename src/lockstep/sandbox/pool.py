@@ -17,6 +17,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
+from lockstep.sandbox import cgroup
 from lockstep.sandbox.bwrap import unsafe
 from lockstep.sandbox.process import Sandbox
 from lockstep.sandbox.types import Limits, SandboxError, Verdict
@@ -33,8 +34,8 @@ _running = threading.BoundedSemaphore(MAX_RUNNING)
 class SandboxPool:
     """Started sandboxes with one set of limits, refilled in the background."""
 
-    def __init__(self, limits: Limits, ready: int = READY):
-        self.limits, self.ready = limits, ready
+    def __init__(self, limits: Limits, ready: int = READY, prime: str = ""):
+        self.limits, self.ready, self.prime = limits, ready, prime
         self._idle: deque[Sandbox] = deque()
         self._lock = threading.Lock()
         self._filling = self.closed = False
@@ -56,7 +57,13 @@ class SandboxPool:
 
     def _start(self) -> Sandbox:
         self.started += 1
-        return Sandbox(self.limits)
+        sb = Sandbox(self.limits)
+        if self.prime:  # our own code, in a sandbox no program has used yet (sandbox/grading.py)
+            verdict = sb.call(self.prime, mode="cell")
+            if not verdict.ok:
+                sb.close()
+                raise SandboxError(f"a sandbox could not be primed: {verdict.reason} {verdict.error}")
+        return sb
 
     def _refill(self) -> None:
         with self._lock:
@@ -93,17 +100,19 @@ class SandboxPool:
             sb.close()
 
 
-_pools: dict[tuple[Limits, bool], SandboxPool] = {}
+_pools: dict[tuple[Limits, bool, str, str], SandboxPool] = {}
 _pools_lock = threading.Lock()
 
 
-def pool(limits: Limits) -> SandboxPool:
+def pool(limits: Limits, prime: str = "") -> SandboxPool:
     """The pool of sandboxes with these limits, made the way this process makes them now (an
-    operator's LOCKSTEP_SANDBOX_UNSAFE is part of the key: a pooled sandbox is never of the other kind)."""
-    key = (limits, unsafe())
+    operator's LOCKSTEP_SANDBOX_UNSAFE and the cgroup set-up are part of the key: a pooled sandbox
+    is never of the other kind). `prime`: a cell each sandbox runs when started, before it is
+    handed out (trusted code only)."""
+    key = (limits, unsafe(), str(cgroup.host()), prime)
     with _pools_lock:
         if key not in _pools:
-            _pools[key] = SandboxPool(limits)
+            _pools[key] = SandboxPool(limits, prime=prime)
         return _pools[key]
 
 
@@ -139,8 +148,10 @@ class Session:
     """One episode's interpreter: cells share a namespace. A cell that times out or hits a limit
     kills the interpreter; the owner decides whether to restart it (the tool env replays)."""
 
-    def __init__(self, limits: Limits):
-        self.limits = limits
+    def __init__(self, limits: Limits, prime: str = "", *, pause_idle: bool = False):
+        self.limits, self.prime, self.pause_idle = limits, prime, pause_idle
+        """pause_idle: stop the interpreter's processes between cells (Sandbox.pause), for owners
+        that leave it idle for long (the tool env, while the model writes its next turn)."""
         self._sb: Sandbox | None = None
 
     @property
@@ -150,8 +161,11 @@ class Session:
     def cell_blocking(self, code: str) -> Verdict:
         if self._sb is None or not self._sb.alive:
             self.close()
-            self._sb = pool(self.limits).take()
-        return _call(self._sb, code, "cell", "<cell>")
+            self._sb = pool(self.limits, self.prime).take()
+        verdict = _call(self._sb, code, "cell", "<cell>")
+        if self.pause_idle:
+            self._sb.pause()
+        return verdict
 
     async def cell(self, code: str) -> Verdict:
         return await asyncio.get_running_loop().run_in_executor(_executor, self.cell_blocking, code)

@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from lockstep.sandbox.bwrap import SANDBOX_UID, bwrap_command, check_available, interpreter, spawn_user, unsafe
+from lockstep.sandbox import cgroup, pause, uids
+from lockstep.sandbox.bwrap import bwrap_command, check_available, interpreter, spawn_user, unsafe
 from lockstep.sandbox.seccomp import filter_fd
 from lockstep.sandbox.types import Limits, SandboxError, Verdict
 
@@ -34,6 +35,8 @@ WATCH_S = 0.05
 """How often the tree's resident memory is checked while a call runs."""
 EXIT_GRACE_S = 2.0
 """How long a program that answered is given to exit before it is killed."""
+START_S = 30.0
+"""How long bwrap may take to make the sandbox's namespaces (milliseconds, normally)."""
 
 ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
        "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
@@ -54,45 +57,91 @@ class Sandbox:
 
     def __init__(self, limits: Limits):
         check_available()
-        self.limits, self.sandboxed, self.calls = limits, not unsafe(), 0
-        self._tmp = None
-        ctl_in_r, self._ctl_in = os.pipe()
-        self._ctl_out, ctl_out_w = os.pipe()
-        info_r, info_w = os.pipe() if self.sandboxed else (None, None)
-        seccomp = filter_fd() if self.sandboxed else None
-        cwd = "/tmp"
-        if not self.sandboxed:  # the operator's explicit choice: rlimits and timers only
-            self._tmp = cwd = tempfile.mkdtemp(prefix="lockstep-unsafe-")
-            if os.geteuid() == 0:
-                os.chown(cwd, SANDBOX_UID, SANDBOX_UID)
-        cfg = {"in": ctl_in_r, "out": ctl_out_w, "rlimits": _rlimits(limits), "cwd": cwd,
-               "reap": self.sandboxed}
-        argv = [interpreter(), "-s", "-B", "-c", LAUNCHER, json.dumps(cfg)]
-        env = dict(ENV, HOME=cwd)
-        if self.sandboxed:
-            cmd = bwrap_command(argv, tmpfs_mb=limits.tmpfs_mb, env=env, seccomp_fd=seccomp)
-            cmd[1:1] = ["--info-fd", str(info_w)]
-        else:
-            cmd = argv
-        fds = (ctl_in_r, ctl_out_w) + ((info_w, seccomp) if self.sandboxed else ())
+        self.limits, self.sandboxed, self.calls, self.paused = limits, not unsafe(), 0, False
+        self._tmp = self._cgroup = self._lease = self._init_pid = None
+        self._status = self._oom_seen = 0
         try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, pass_fds=fds, cwd="/", env=env,
-                                         start_new_session=True, **spawn_user())
-        except OSError as e:
-            for fd in fds + (self._ctl_in, self._ctl_out) + ((info_r,) if info_r is not None else ()):
-                os.close(fd)
-            raise SandboxError(f"could not start a sandbox: {e}") from None
-        finally:
-            for fd in fds:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self._info, self._init_pid, self._status = info_r, None, 0
+            self._lease = uids.lease() if uids.pooled() else None
+            self._cgroup = cgroup.create(limits) if self.sandboxed else None
+            self._spawn()
+        except BaseException:
+            if getattr(self, "proc", None) is not None:
+                self.proc.stdout.close()
+                self.proc.stderr.close()
+            self._release()
+            raise
         for fd in (self.proc.stdout.fileno(), self.proc.stderr.fileno(), self._ctl_out):
             os.set_blocking(fd, False)
         self.started = time.monotonic()
+
+    def _spawn(self) -> None:
+        """Start bwrap; with a cgroup, its first process joins it before it forks anything (bwrap
+        waits on --block-fd after making the namespaces, before it forks the launcher)."""
+        uid = self._lease.uid if self._lease is not None else None
+        ctl_in_r, self._ctl_in = os.pipe()
+        self._ctl_out, ctl_out_w = os.pipe()
+        cwd, ours, theirs = "/tmp", [], [ctl_in_r, ctl_out_w]
+        if not self.sandboxed:  # the operator's explicit choice: rlimits and timers only
+            self._tmp = cwd = tempfile.mkdtemp(prefix="lockstep-unsafe-")
+            if uid is not None:
+                os.chown(cwd, uid, uid)
+        cfg = {"in": ctl_in_r, "out": ctl_out_w, "rlimits": _rlimits(self.limits), "cwd": cwd,
+               "reap": self.sandboxed}
+        cmd = argv = [interpreter(), "-s", "-B", "-c", LAUNCHER, json.dumps(cfg)]
+        env = dict(ENV, HOME=cwd)
+        if self.sandboxed:
+            info_r, info_w = os.pipe()
+            block_r, block_w = os.pipe()
+            ours += [info_r, block_w]
+            theirs += [info_w, block_r, filter_fd()]
+            cmd = bwrap_command(argv, tmpfs_mb=self.limits.tmpfs_mb, env=env, seccomp_fd=theirs[-1],
+                                pooled_uid=uid is not None)
+            cmd[1:1] = ["--info-fd", str(info_w), "--block-fd", str(block_r)]
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, pass_fds=tuple(theirs), cwd="/", env=env,
+                                         start_new_session=True, **spawn_user(uid))
+        except OSError as e:
+            _close(*ours, self._ctl_in, self._ctl_out)
+            raise SandboxError(f"could not start a sandbox: {e}") from None
+        finally:
+            _close(*theirs)
+        if self.sandboxed:
+            self._admit(*ours)
+
+    def _admit(self, info_r: int, block_w: int) -> None:
+        """Learn the sandbox's init from bwrap, put it in the cgroup, then let it go on. Whatever
+        fails, the sandbox never runs outside its cgroup: it is killed before it is let go."""
+        try:
+            self._init_pid = _child_pid(info_r)
+            if self._cgroup is not None:
+                if self._init_pid is None:
+                    raise SandboxError("bwrap exited before it made the sandbox: " + self._stderr_tail())
+                self._cgroup.add(self._init_pid)
+        except (OSError, SandboxError) as e:
+            self._kill()
+            _close(block_w, self._ctl_in, self._ctl_out)
+            raise SandboxError(f"could not start a sandbox: {e}") from None
+        finally:
+            _close(info_r)
+        try:
+            os.write(block_w, b"go")
+        except OSError:
+            pass  # bwrap died: the first call sees it
+        _close(block_w)
+
+    def _stderr_tail(self) -> str:
+        self.proc.wait()
+        return self.proc.stderr.read().decode("utf-8", "replace").strip()[-300:]
+
+    def _release(self) -> None:
+        """The cgroup and the uid, once every process of the sandbox is dead."""
+        if self._cgroup is not None:
+            self._cgroup.remove()
+            self._cgroup = None
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -103,28 +152,30 @@ class Sandbox:
         """Kill the whole tree and release everything (idempotent)."""
         if self.proc.returncode is None:
             self._kill()
-        for fd in (self._ctl_in, self._ctl_out, self._info):
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self._ctl_in = self._ctl_out = self._info = -1
+        _close(self._ctl_in, self._ctl_out)
+        self._ctl_in = self._ctl_out = -1
         for stream in (self.proc.stdout, self.proc.stderr):
             stream.close()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+        self._release()
 
     def __del__(self):  # a dropped sandbox must not outlive its owner
         try:
             if self.proc.returncode is None:
                 self._kill()
+            self._release()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
     def _kill(self) -> tuple[int, float]:
         """SIGKILL the tree; returns (wait status, CPU seconds of everything reaped)."""
+        if self._cgroup is not None and self._cgroup.frozen:
+            try:
+                self._cgroup.thaw()  # not needed for SIGKILL on v2, but leaves nothing frozen behind
+            except OSError:
+                pass  # remove() kills what is left
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # bwrap; its PID namespace dies with its init
         except ProcessLookupError:
@@ -145,21 +196,13 @@ class Sandbox:
         return status, usage.ru_utime + usage.ru_stime
 
     # -- memory ------------------------------------------------------------------------------
-    def _init(self) -> int | None:
-        """The host pid of the sandbox's PID-namespace init (bwrap reports it on --info-fd)."""
-        if self._init_pid is None and self._info not in (None, -1):
-            try:
-                data = os.read(self._info, 4096)
-                self._init_pid = int(json.loads(data)["child-pid"])
-            except (OSError, ValueError, KeyError):
-                return None
-        return self._init_pid
-
     def tree_rss(self) -> int:
         """Resident bytes of every process in the sandbox (0 when they cannot be read)."""
         page, total = resource.getpagesize(), 0
-        init = self._init()
-        if init is None:
+        init = self._init_pid
+        if init is not None and not self._pivoted(init):
+            init = None  # bwrap reports its init before pivot_root: /proc/INIT/root/proc is still the host's
+        if init is None:  # the launcher's own process only, never the machine's
             pids, base = [str(self.proc.pid)], "/proc"
         else:  # the sandbox's own procfs lists exactly its processes
             base = f"/proc/{init}/root/proc"
@@ -175,11 +218,64 @@ class Sandbox:
                 pass
         return total
 
+    @staticmethod
+    def _pivoted(init: int) -> bool:
+        """Whether the sandbox's init has its own root yet."""
+        try:
+            root, ours = os.stat(f"/proc/{init}/root"), os.stat("/")
+        except OSError:
+            return False
+        return (root.st_dev, root.st_ino) != (ours.st_dev, ours.st_ino)
+
+    # -- between calls ---------------------------------------------------------------------
+    def pause(self) -> None:
+        """Stop every process of the sandbox until the next call: between two tool calls nothing
+        watches it, so nothing of it runs (its cgroup v2 frozen, else each process SIGSTOPped). A
+        sandbox that cannot be held still is killed rather than left running."""
+        if not self.sandboxed or self.paused or not self.alive or self._init_pid is None:
+            return
+        self.paused = True
+        try:
+            if self._cgroup is not None and self._cgroup.can_freeze:
+                held = self._cgroup.freeze()
+            else:
+                held = pause.stop(self._members())
+        except OSError:
+            held = False
+        if not held:
+            self._kill()
+
+    def _members(self) -> pause.Members:
+        """The sandbox's processes: its cgroup's list, else its PID namespace's."""
+        if self._cgroup is not None:
+            return self._cgroup.procs
+        return pause.namespace_members(self._init_pid)
+
+    def _resume(self) -> None:
+        if not self.paused:
+            return
+        self.paused = False
+        try:
+            if self._cgroup is not None and self._cgroup.frozen:
+                self._cgroup.thaw()
+            elif self.alive:
+                pause.resume(self._members())
+        except OSError:
+            self._kill()  # a sandbox that cannot be woken is not half-used: the call sees it exited
+
+    def _oom_killed(self) -> bool:
+        """Whether the kernel OOM-killed a process of the sandbox since the last look."""
+        if self._cgroup is None:
+            return False
+        seen, self._oom_seen = self._oom_seen, self._cgroup.oom_kills()
+        return self._oom_seen > seen
+
     # -- calls -------------------------------------------------------------------------------
     def call(self, code: str, *, mode: str = "cell", name: str = "<program>") -> Verdict:
         """Run `code` ("program": as __main__, then the sandbox exits; "cell": in the kept namespace).
         Blocks for at most about `limits.wall_s`."""
         lim, t0 = self.limits, time.monotonic()
+        self._resume()
         if not self.alive:
             return Verdict("error", error="the sandbox's interpreter has exited", sandboxed=self.sandboxed)
         data = code.encode("utf-8", "replace")
@@ -270,6 +366,8 @@ class Sandbox:
         text = {k: bytes(v).decode("utf-8", "replace") for k, v in out.items()}
         common = dict(stdout=text["stdout"], stderr=text["stderr"], stdout_bytes=counts["stdout"],
                       stderr_bytes=counts["stderr"], sandboxed=self.sandboxed)
+        if self._oom_killed():  # the kernel's bound on the whole cgroup: the tree went over its memory
+            verdict_kind = ("limit", "memory")
         if verdict_kind is not None:  # our own timer, memory watch or output cap: kill the tree
             _, cpu = self._kill()
             status, limit = verdict_kind
@@ -346,3 +444,33 @@ def _frame(buf: bytearray) -> dict | None:
     except ValueError:
         return {"status": "error", "error": "malformed answer from the sandbox"}
     return obj if isinstance(obj, dict) else {"status": "error", "error": "malformed answer from the sandbox"}
+
+
+def _close(*fds: int | None) -> None:
+    for fd in fds:
+        if fd is not None and fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _child_pid(info_r: int) -> int | None:
+    """The host pid of the sandbox's first process, from bwrap's --info-fd (None if bwrap exited
+    first). bwrap writes it once, then every copy of the pipe is closed."""
+    data, deadline = b"", time.monotonic() + START_S
+    with selectors.DefaultSelector() as sel:
+        sel.register(info_r, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                continue
+            chunk = os.read(info_r, 4096)
+            if not chunk:
+                break
+            data += chunk
+        else:
+            raise SandboxError(f"bwrap did not make the sandbox within {START_S:.0f} s")
+    try:
+        return int(json.loads(data)["child-pid"]) if data else None
+    except (ValueError, KeyError, TypeError):
+        return None

@@ -41,9 +41,12 @@ class Limits:
     """CPU seconds per process for one program or tool call (RLIMIT_CPU; SIGXCPU, then SIGKILL)."""
     memory_mb: int = 512
     """Address space per process (RLIMIT_AS), and the resident memory of the whole tree, which is
-    watched while a program runs (a tree over it is killed)."""
+    watched while a program runs (a tree over it is killed). Where the host has cgroups, the
+    kernel also bounds the sandbox's whole memory, kernel memory included, at this + tmpfs_mb +
+    72 MiB (sandbox/cgroup.py: memory_max_mb); over it, the verdict is limit "memory"."""
     processes: int = 32
-    """Processes and threads of the sandbox (RLIMIT_NPROC, counted in its own user namespace)."""
+    """Processes and threads of the sandbox (RLIMIT_NPROC, counted per sandbox: see
+    bwrap.process_limit_problem; and its cgroup's pids.max where it has one)."""
     file_size_mb: int = 16
     """Largest file a program may write (RLIMIT_FSIZE)."""
     open_files: int = 64
@@ -108,3 +111,16 @@ class Verdict:
                 "error": self.error, "stdout": self.stdout, "stderr": self.stderr,
                 "stdout_bytes": self.stdout_bytes, "stderr_bytes": self.stderr_bytes,
                 "wall_s": round(self.wall_s, 4), "cpu_s": round(self.cpu_s, 4), "sandboxed": self.sandboxed}
+
+
+@dataclass(frozen=True)
+class Graded:
+    """What a program's tests gave (sandbox/grading.py: the tests run in a sandbox of their own)."""
+
+    passed: tuple[bool, ...]
+    """Per test, in order: whether it passed."""
+    reason: str
+    """ok (every test passed), failed (some failed), or what stopped the grading: timeout, violation
+    (a sandbox limit), crash (an interpreter died or the program raised at load), missing_entry_point."""
+    details: tuple[str, ...] = ()
+    """Per test: why it failed ('' when it passed), for logs and tests."""

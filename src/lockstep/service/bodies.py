@@ -10,9 +10,11 @@ strict JSON. A body that breaks a bound is a 400 naming the field, before anythi
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from lockstep.config.types import ADAM_RANGES, ConfigError, Range, check_decay
 
 MAX_SEQ = 2**31 - 1
 """seq_id, model_seq_id, sampling_session_seq_id: a 32-bit INTEGER column (and the protobuf's int32)."""
@@ -54,7 +56,6 @@ Detail = Free(4096)
 Seq = Annotated[int, Field(ge=1, le=MAX_SEQ)]
 SeqFrom0 = Annotated[int, Field(ge=0, le=MAX_SEQ)]
 Ttl = Annotated[int, Field(ge=0, le=MAX_TTL_S, description="0: no expiry")]
-Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
 def bounded_json(value: Any) -> Any:
@@ -78,6 +79,18 @@ def bounded_json(value: Any) -> Any:
 
 
 Metadata = Annotated[dict[str, Any], AfterValidator(bounded_json)]
+
+
+def Ranged(bounds: Range):  # noqa: N802 - a type, used like one
+    """A hyperparameter: a finite number in `bounds` (the config layer's range, which the engine
+    checks again), refused with the range named."""
+
+    def check(value: float) -> float:
+        if not bounds.holds(value):
+            raise ValueError(f"must be a number in {bounds}, got {value!r}")
+        return value
+
+    return Annotated[float, AfterValidator(check)]
 
 
 class Body(BaseModel):
@@ -109,12 +122,19 @@ class LoraConfig(Body):
     train_attn: bool = True
 
 
+class OptimizerConfig(Body):
+    """SDK 0.38 names the optimizer at creation (AdamOptimizerConfig, DimuonOptimizerConfig)."""
+
+    type: Literal["adamw"] = Field(default="adamw", description="the only optimizer here: AdamW")
+
+
 class CreateModel(Body):
     session_id: SessionId
     model_seq_id: SeqFrom0
     base_model: ModelName
     user_metadata: Metadata | None = None
     lora_config: LoraConfig | None = None
+    optimizer_config: OptimizerConfig | None = None
 
 
 class ModelRef(Body):
@@ -130,16 +150,36 @@ class Training(Body):
 
 
 class AdamParams(Body):
-    learning_rate: Finite = Field(default=1e-4, ge=0)
-    beta1: float = Field(default=0.9, ge=0, lt=1)
-    beta2: float = Field(default=0.95, ge=0, lt=1)
-    eps: Finite = Field(default=1e-12, ge=0)
-    weight_decay: Finite = Field(default=0.0, ge=0)
-    grad_clip_norm: Finite = Field(default=0.0, ge=0)
+    """Every field of the SDK's AdamParams, each in its range (config.types.ADAM_RANGES, where the
+    reasons are), with Tinker's defaults."""
+
+    learning_rate: Ranged(ADAM_RANGES["learning_rate"]) = 1e-4
+    beta1: Ranged(ADAM_RANGES["beta1"]) = 0.9
+    beta2: Ranged(ADAM_RANGES["beta2"]) = 0.95
+    eps: Ranged(ADAM_RANGES["eps"]) = 1e-12
+    weight_decay: Ranged(ADAM_RANGES["weight_decay"]) = 0.0
+    grad_clip_norm: Ranged(ADAM_RANGES["grad_clip_norm"]) = 0.0
+
+    @model_validator(mode="after")
+    def _decay(self):
+        try:
+            check_decay(self.learning_rate, self.weight_decay)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return self
 
 
 class OptimStep(Training):
     adam_params: AdamParams = AdamParams()
+    optimizer_params: Metadata | None = Field(
+        default=None, description="SDK 0.38 sends a non-Adam optimizer's step here; refused (AdamW only)")
+
+    @model_validator(mode="after")
+    def _adam_only(self):
+        if self.optimizer_params is not None:
+            raise ValueError("optimizer_params (a non-Adam optimizer's step) is not supported: this server trains "
+                             "with AdamW; send adam_params")
+        return self
 
 
 class SaveWeights(Training):

@@ -1,8 +1,9 @@
 """Datasets under /v1: a tenant's data files for jobs, uploaded as a raw request body.
 
 `POST /v1/datasets?name=train.jsonl` stores the body (jsonl: one JSON object per line; parquet:
-a file pyarrow reads through) under a key the server generates, within the policy's size cap and
-the tenant's quota, and answers its id (`ds-...`); a job spec names it in `env.path`,
+a file pyarrow reads through) under a key the server generates, within the policy's size cap, its
+cap on decoded bytes (checked by decoding it in a bounded process: `service/datacheck.py`) and the
+tenant's quota, and answers its id (`ds-...`); a job spec names it in `env.path`,
 `env.test_path` or `stages[].dataset`, and the scheduler copies it into the job's run directory.
 A dataset is only ever reached by its id and its tenant: the uploader's name is a label.
 """
@@ -11,27 +12,33 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
+import signal
+import subprocess
+import sys
 import tempfile
 import uuid
 from typing import Literal
 
+import anyio
 from fastapi import APIRouter, Depends, Query, Request
 from sqlalchemy import func, select
 from starlette.concurrency import run_in_threadpool
 
-from lockstep.service.deps import db, tenant_of
+from lockstep.service.datacheck import CHECK_CPU_S, CHECK_MEMORY_BYTES
 from lockstep.service.db import Dataset, Job, Tenant
+from lockstep.service.deps import db, tenant_of
 from lockstep.service.policy import DATASET_ID, Limits, data_fields
 from lockstep.service.types import JobState, NotFound, QuotaExceeded, ServiceError
 
 router = APIRouter()
 TENANT = Depends(tenant_of)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._()+-]{0,127}")
-PARQUET_EXPANSION = 8
-"""A parquet file may decompress to at most this many times max_dataset_bytes (a zip bomb is refused
-from its metadata, before any page is read)."""
+MAX_CHECKS = 2
+"""Uploads checked at once, each in a process of up to CHECK_MEMORY_BYTES; more wait their turn."""
+log = logging.getLogger(__name__)
 
 
 def limits_of(request: Request, t: Tenant) -> Limits:
@@ -73,13 +80,14 @@ async def upload(request: Request, name: str = Query(min_length=1, max_length=12
                                        f"{limits.max_dataset_bytes}", status=413)
                 digest.update(chunk)
                 f.write(chunk)
-        return await run_in_threadpool(_store, request, t, limits, name, fmt, tmp, size, digest.hexdigest())
+        rows = await check_file(request.app, tmp, fmt, limits)
+        return await run_in_threadpool(_store, request, t, limits, name, fmt, tmp, size, digest.hexdigest(), rows)
     finally:
         os.unlink(tmp)
 
 
-def _store(request: Request, t: Tenant, limits: Limits, name: str, fmt: str, tmp: str, size: int, sha: str) -> dict:
-    rows = validate_file(tmp, fmt, limits)
+def _store(request: Request, t: Tenant, limits: Limits, name: str, fmt: str, tmp: str, size: int, sha: str,
+           rows: int) -> dict:
     storage = request.app.state.storage
     ds = Dataset(id=f"ds-{uuid.uuid4().hex[:16]}", tenant_id=t.id, name=name, format=fmt, size_bytes=size,
                  num_rows=rows, sha256=sha, storage_key="")
@@ -107,48 +115,44 @@ def _store(request: Request, t: Tenant, limits: Limits, name: str, fmt: str, tmp
         raise
 
 
-def validate_file(path: str, fmt: str, limits: Limits) -> int:
-    """Rows of a jsonl or parquet file; ServiceError saying what is wrong otherwise."""
-    rows = _jsonl_rows(path) if fmt == "jsonl" else _parquet_rows(path, limits)
-    if rows == 0:
-        raise ServiceError(f"dataset has no rows; a {fmt} file of rows is expected")
-    return rows
-
-
-def _jsonl_rows(path: str) -> int:
-    rows = 0
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                row = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                raise ServiceError(f"dataset line {number}: not UTF-8 text") from None
-            except (ValueError, RecursionError) as e:
-                raise ServiceError(f"dataset line {number}: invalid JSON ({str(e)[:200]})") from None
-            if not isinstance(row, dict):
-                raise ServiceError(f"dataset line {number}: expected a JSON object, got {type(row).__name__}")
-            rows += 1
-    return rows
-
-
-def _parquet_rows(path: str, limits: Limits) -> int:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+async def check_file(app, path: str, fmt: str, limits: Limits) -> int:
+    """Rows of an uploaded file, decoded in a bounded process of its own (`service/datacheck.py`);
+    ServiceError saying what is wrong otherwise. At most MAX_CHECKS run at once; the rest wait
+    without holding a thread."""
+    slots = getattr(app.state, "dataset_checks", None)
+    if slots is None:
+        slots = app.state.dataset_checks = anyio.Semaphore(MAX_CHECKS)
+    command = [sys.executable, "-B", "-m", "lockstep.service.datacheck", path, fmt,
+               str(limits.max_dataset_decoded_bytes), str(CHECK_MEMORY_BYTES)]
     try:
-        f = pq.ParquetFile(path)
-        meta = f.metadata
-        expanded = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
-        if expanded > PARQUET_EXPANSION * limits.max_dataset_bytes:
-            raise ServiceError(f"parquet dataset expands to {expanded} bytes (at most "
-                               f"{PARQUET_EXPANSION} x max_dataset_bytes = {PARQUET_EXPANSION * limits.max_dataset_bytes})")
-        for _ in f.iter_batches(batch_size=4096):  # every page decodes, or the upload is refused
-            pass
-        return meta.num_rows
-    except (pa.ArrowException, OSError, ValueError) as e:
-        raise ServiceError(f"not a readable parquet file: {str(e)[:200]}") from None
+        async with slots:
+            done = await anyio.run_process(command, check=False)
+    except OSError as e:
+        raise ServiceError(f"cannot check datasets right now ({e.strerror}); try again later", status=503) from None
+    verdict = _verdict(done)
+    if "refused" in verdict:
+        raise ServiceError(str(verdict["refused"]))
+    if verdict["rows"] == 0:
+        raise ServiceError(f"dataset has no rows; a {fmt} file of rows is expected")
+    return verdict["rows"]
+
+
+def _verdict(done: subprocess.CompletedProcess) -> dict:
+    """The check's answer; a check that died without one (killed past its CPU time, crashed in the
+    reader on a crafted file) refuses the file, and the operator's log says why."""
+    lines = done.stdout.decode(errors="replace").strip().splitlines()
+    try:
+        verdict = json.loads(lines[-1]) if done.returncode == 0 and lines else None
+    except ValueError:
+        verdict = None
+    if isinstance(verdict, dict) and ("refused" in verdict or isinstance(verdict.get("rows"), int)):
+        return verdict
+    log.warning("dataset check exited with %s: %s", done.returncode, done.stderr.decode(errors="replace")[-2000:])
+    if done.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        return {"refused": f"dataset takes more than {CHECK_CPU_S} s of CPU time to decode"}
+    if b"MemoryError" in done.stderr:
+        return {"refused": f"dataset needs more than {CHECK_MEMORY_BYTES} bytes of memory to decode"}
+    return {"refused": f"dataset could not be read: the check stopped with exit status {done.returncode}"}
 
 
 @router.get("/datasets")
@@ -168,7 +172,7 @@ def get_dataset(dataset_id: str, request: Request, t: Tenant = TENANT) -> dict:
 def delete_dataset(dataset_id: str, request: Request, t: Tenant = TENANT) -> dict:
     with db(request) as s:
         ds = _dataset(s, t, dataset_id)
-        live = [JobState.QUEUED, JobState.RUNNING, JobState.PREEMPTING, JobState.CANCELLING]
+        live = [state for state in JobState if not state.terminal]
         for job in s.scalars(select(Job).where(Job.tenant_id == t.id, Job.state.in_([x.value for x in live]))):
             if any(value == ds.id for _, value in data_fields(job.spec)):
                 raise ServiceError(f"dataset {ds.id} is used by job {job.id} ({job.state}); delete it once that job ends",

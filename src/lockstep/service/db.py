@@ -170,6 +170,8 @@ class Job(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     max_attempts: Mapped[int] = mapped_column(Integer, default=3)
     preemptions: Mapped[int] = mapped_column(Integer, default=0)
+    interruptions: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Attempts its worker's stop or death interrupted (given back, like preempted ones)."""
     next_attempt_at: Mapped[dt.datetime] = mapped_column(default=now)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     """What went wrong, for the tenant: a message, never a traceback (the attempt's log has it)."""
@@ -272,7 +274,7 @@ def connect(url: str) -> tuple[Engine, sessionmaker]:
     return engine, sessionmaker(engine, expire_on_commit=False)
 
 
-ADDED_COLUMNS = {"requests": ("attempts",), "jobs": ("run_seconds",)}
+ADDED_COLUMNS = {"requests": ("attempts",), "jobs": ("run_seconds", "interruptions")}
 """Columns added after their table was first released: create_all() creates missing tables, not
 missing columns, so a store made by an older version gets them here (with their server default).
 Additive changes only; anything else would need a real migration tool (Alembic)."""

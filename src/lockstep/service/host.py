@@ -154,10 +154,12 @@ class EngineHost:
         from lockstep.engine.types import AdamParams, EngineError
 
         trainer = self._trainer(model_id)
-        try:
+        try:  # the stored payload is not trusted: unknown keys, non-numbers and out-of-range values are refused
             params = AdamParams(**adam)
         except TypeError as e:
             raise HostError(f"adam_params: {e}") from None
+        except EngineError as e:
+            raise HostError(str(e)) from None
         try:
             metrics = trainer.optim_step(params)
         except EngineError as e:

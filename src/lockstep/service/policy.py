@@ -38,14 +38,16 @@ from lockstep.service.types import JobState, ServiceError
 MiB = 1024 * 1024
 
 
-_LEAST = {"max_job_gpus": 0}
-"""Caps that may be 0 (off); every other cap is at least 1."""
+_LEAST = {"max_job_gpus": 0, "event_keepalive_s": 0.01, "event_poll_s": 0.01}
+"""Caps that may be below 1 (0: off; the stream intervals); every other cap is at least 1."""
+GLOBAL_ONLY = ("max_event_streams_total", "event_keepalive_s", "event_poll_s")
+"""Keys of the API process as a whole: top level only, refused under [tenants.NAME]."""
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Caps on one job (and one tenant's datasets and queue). Each applies per job; the policy
-    file may set them per tenant."""
+    """Caps on one job (and one tenant's datasets, queue and event streams). Each applies per job;
+    the policy file may set them per tenant, but for GLOBAL_ONLY ones."""
 
     user_env_modules: tuple[str, ...] = ()
     """Modules a "module:function" env may come from (a module covers its submodules; "*": any).
@@ -92,6 +94,11 @@ class Limits:
     max_sandbox_open_files: int = 256
     max_sandbox_output_kb: int = 1024
     max_sandbox_tmpfs_mb: int = 256
+    max_job_memory_mb: int = 16_384
+    """Memory of a job, all its processes together (`lockstep run` and its Ray actors), where the
+    worker has a cgroup for it; else each process's address space (RLIMIT_AS: a tiny job's
+    processes map 9.2 GB each, so keep this above ~12 GiB there). A job over it is stopped and
+    fails with a message naming this cap (see lockstep/memlimit.py)."""
     max_wall_seconds: float = 6 * 3600.0
     """Running time of a job, over all its attempts; the scheduler stops and fails a job past it."""
     max_spec_bytes: int = 64 * 1024
@@ -100,9 +107,28 @@ class Limits:
     """Jobs a tenant may have waiting at once."""
     max_dataset_bytes: int = 32 * MiB
     """One uploaded dataset (the API's --max-body-mb bounds it too)."""
+    max_dataset_decoded_bytes: int = 512 * MiB
+    """One dataset's rows once decoded: the memory they take as Python objects, parquet dictionaries
+    expanded (envs/datafile.py; a jsonl file takes ~3x its size in rows of a few KB, ~7x in rows of
+    ~60 bytes, up to ~20x in rows of a few characters). The upload counts them and refuses a dataset
+    past it; a job stops reading a data file past it ($LOCKSTEP_DATA_BUDGET_BYTES)."""
     dataset_quota_bytes: int = 1024 * MiB
     """A tenant's datasets, all together."""
     max_datasets: int = 100
+    max_event_streams: int = 32
+    """`GET /v1/jobs/ID/events` streams a tenant may hold open at once (in one API process); the
+    next one is a 429 naming this cap."""
+    max_event_streams_total: int = 1024
+    """Event streams open at once in one API process, all tenants together (top level only)."""
+    event_stream_idle_s: float = 600.0
+    """A stream that sent no event for this long ends with an `idle` event (the client reconnects
+    with ?after=)."""
+    event_keepalive_s: float = 15.0
+    """An SSE comment line goes down an idle stream this often (top level only), so proxies and
+    clients see a live connection and a dead client is noticed."""
+    event_poll_s: float = 0.5
+    """How often the API's one change notifier reads the store for new job events (top level
+    only): the longest an event written by the worker waits to reach its streams."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -139,6 +165,9 @@ class Policy:
         if not isinstance(tenants, dict) or not all(isinstance(v, dict) for v in tenants.values()):
             raise PolicyError("tenants: expected tables [tenants.NAME]")
         base = _limits({}, data, "")
+        for name, over in tenants.items():
+            if key := next((k for k in over if k in GLOBAL_ONLY), None):
+                raise PolicyError(f"tenants.{name}.{key}: a setting of the whole API process; set it at the top level")
         return cls(base, {name: _limits(dataclasses.asdict(base), over, f"tenants.{name}.")
                           for name, over in tenants.items()})
 

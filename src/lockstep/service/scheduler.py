@@ -1,17 +1,26 @@
 """The job scheduler: runs declarative RL jobs (`lockstep run` on a RunSpec) within capacity.
 
-Capacity is a Ray resource, `lockstep_job_slots`, which the worker's Ray node offers; a running
-job holds one slot through a placement group for its whole attempt. Jobs start in priority order
-(reserved first, then by submission), at most `max_concurrent_jobs` running per tenant. When a
-reserved job waits and no slot is free, the newest running preemptible job is preempted: it gets
-SIGTERM, checkpoints at its next step boundary and exits with PREEMPTED_EXIT; it then goes back to
-the queue and later resumes from its checkpoint (`lockstep run --resume`). A failed attempt is
-retried with exponential backoff, resuming from its last checkpoint, up to `max_attempts`.
+Capacity is a Ray resource, `lockstep_job_slots`, which the worker's Ray node offers; a job holds
+one slot through a placement group from its start to the end of its attempt. Jobs start in
+priority order (reserved first, then by submission), at most `max_concurrent_jobs` at once per
+tenant. When a reserved job waits and no slot is free, the newest running preemptible job is
+preempted: it gets SIGTERM, checkpoints at its next step boundary and exits with PREEMPTED_EXIT;
+it then goes back to the queue and later resumes from its checkpoint (`lockstep run --resume`). A
+failed attempt is retried with exponential backoff, resuming from its last checkpoint, up to
+`max_attempts`; an attempt that a preemption or its worker's stop or death interrupted is not a
+failure: it gives its attempt back (`attempts` never exceeds `max_attempts`) and is counted in
+`preemptions` or `interruptions`.
+
+A job is STARTING from its claim until its process exists, then RUNNING: the slot wait, the
+input copies and the process start run on a thread (launch.py), never on the tick, and a cancel
+meanwhile stops the launch and gives the slot back. The job's running time is capped from its
+process's start (`max_wall_seconds`, over all attempts), its memory by its own cgroup or an
+rlimit (`max_job_memory_mb`, lockstep/memlimit.py).
 
 Before each attempt the stored spec is checked again against the worker's own policy (a row
 written behind the API's back gets no further), and its references are resolved server-side:
 datasets and a `job:<id>` model are copied into the job's directory, a base model's name becomes
-its directory. The job's running time is capped (`max_wall_seconds`, over all attempts).
+its directory.
 
 Every state change goes through `move` (jobstate.py), a compare-and-set on the old state: the API
 may cancel a job between the scheduler reading it and acting on it, and then the scheduler's move
@@ -26,27 +35,25 @@ uploaded when it succeeds.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime as dt
 import json
 import logging
 import os
 import re
-import shutil
 import signal
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 from sqlalchemy import select
 
+from lockstep import memlimit
 from lockstep.config import to_dict
-from lockstep.envs.registry import ALLOWLIST_ENV
-from lockstep.service.db import Job, Tenant, Usage, now
+from lockstep.service.db import Job, JobEvent, Tenant, Usage, now
 from lockstep.service.jobstate import move
-from lockstep.service.policy import Inputs, Limits, Policy, check_spec, data_fields, from_env, resolve
+from lockstep.service.launch import SLOT, SUPERVISOR_ENV, Attempt, Launch, LaunchCancelled, Plan, launch
+from lockstep.service.policy import Limits, Policy, check_spec, from_env, resolve
 from lockstep.service.storage import Storage
 from lockstep.service.types import JobState, Priority, ServiceError, UsageKind
 
@@ -54,11 +61,8 @@ __all__ = ["Scheduler", "adopt_orphans", "move", "SLOT", "PREEMPTED_EXIT", "SUPE
 
 log = logging.getLogger("lockstep.scheduler")
 
-SLOT = "lockstep_job_slots"
 PREEMPTED_EXIT = 75
 """`lockstep run` exits with this after checkpointing on SIGTERM (EX_TEMPFAIL)."""
-SUPERVISOR_ENV = "LOCKSTEP_SUPERVISOR_PID"
-"""Set on a job process: the pid whose death ends it (see cli.py's watchdog)."""
 BACKOFF_S = 5.0
 """First retry delay; doubles per failed attempt."""
 KILL_GRACE_S = 60.0
@@ -69,40 +73,27 @@ LOG_TAIL_BYTES = 1 << 20
 """The end of an attempt's output that is kept in storage."""
 ENV_LOG_TAIL_BYTES = 64 << 10
 """The end of the run's envs.log appended to it."""
+MAX_INTERRUPTIONS = 10
+"""A job its worker's stop or death interrupted this often is failed rather than requeued again
+(interruptions give their attempt back, so nothing else would end a job that kills its worker)."""
 ARTIFACTS = ("report.html", "summary.json", "metrics.jsonl", "config.json")
-
-
-@dataclass
-class Attempt:
-    job_id: str
-    tenant_id: str
-    number: int
-    proc: subprocess.Popen
-    job_dir: Path
-    pg: object
-    started: float
-    budget_s: float
-    """Running time left to the job under max_wall_seconds when this attempt started."""
-    metrics_offset: int = 0
-    signalled_at: float | None = None
-    log_uploaded: float = 0.0
-    stopped_for: str | None = None
-    """Why the scheduler killed it (over its time cap): the job then fails with this message."""
-
-    @property
-    def run_dir(self) -> Path:
-        return self.job_dir / "run"
-
-    @property
-    def log_path(self) -> Path:
-        return self.job_dir / f"attempt-{self.number}.log"
+LIVE = (JobState.STARTING.value, JobState.RUNNING.value, JobState.PREEMPTING.value)
+"""States in which a job holds (or is taking) a slot."""
 
 
 class Scheduler:
-    def __init__(self, sessions, storage: Storage, home: Path, ray_address: str, policy: Policy | None = None):
+    def __init__(self, sessions, storage: Storage, home: Path, ray_address: str, policy: Policy | None = None,
+                 memory: memlimit.Backend | None = None):
         self.sessions, self.storage, self.home, self.ray_address = sessions, storage, Path(home), ray_address
         self.policy = policy if policy is not None else from_env()
+        self.memory = memory if memory is not None else memlimit.detect()
         self.running: dict[str, Attempt] = {}
+        self.starting: dict[str, Launch] = {}
+        self.stopping = False
+        """The worker is stopping: the attempts that end now were interrupted, not preempted."""
+        self._leftovers: list[memlimit.JobMemory] = []
+        """Ended attempts' cgroups still busy (a killed process not yet reaped): removed later."""
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="job-launch")
 
     def capacity(self) -> int:
         return int(ray.cluster_resources().get(SLOT, 0))
@@ -112,16 +103,21 @@ class Scheduler:
         for attempt in list(self.running.values()):
             self._poll(attempt)
         with self.sessions() as s:
+            self._launched(s)
             self._cancel_requested(s)
             self._start_queued(s)
+        self._leftovers = [m for m in self._leftovers if not m.remove()]
 
     def _cancel_requested(self, s) -> None:
         for job in s.scalars(select(Job).where(Job.state == JobState.CANCELLING.value)):
-            attempt = self.running.get(job.id)
-            if attempt is None:
+            attempt, starting = self.running.get(job.id), self.starting.get(job.id)
+            if attempt is not None:
+                if attempt.signalled_at is None:
+                    self._signal(attempt)
+            elif starting is not None:
+                starting.cancel.set()  # _launched cancels the job once the launch has let go
+            else:
                 move(s, job, JobState.CANCELLED, finished_at=now())
-            elif attempt.signalled_at is None:
-                self._signal(attempt)
         s.commit()
 
     def _waiting(self, s) -> list[Job]:
@@ -129,9 +125,9 @@ class Scheduler:
         return sorted(jobs, key=lambda j: (j.priority != Priority.RESERVED.value, j.created_at))
 
     def _start_queued(self, s) -> None:
-        free = self.capacity() - len(self.running)
+        free = self.capacity() - len(self.running) - len(self.starting)
         per_tenant: dict[str, int] = {}
-        for job in s.scalars(select(Job).where(Job.state.in_([JobState.RUNNING.value, JobState.PREEMPTING.value]))):
+        for job in s.scalars(select(Job).where(Job.state.in_(LIVE))):
             per_tenant[job.tenant_id] = per_tenant.get(job.tenant_id, 0) + 1
         for job in self._waiting(s):
             tenant = s.get(Tenant, job.tenant_id)
@@ -172,8 +168,8 @@ class Scheduler:
             s.commit()
 
     def _start(self, s, job: Job, tenant: Tenant) -> bool:
-        """Check the stored spec, claim the job (QUEUED -> RUNNING, a compare-and-set: a job
-        cancelled meanwhile is not started) and launch its attempt. True if it started."""
+        """Check the stored spec, claim the job (QUEUED -> STARTING, a compare-and-set: a job
+        cancelled meanwhile is not started) and launch its attempt on a thread. True if claimed."""
         limits = self.policy.for_tenant(tenant.name)
         try:
             d = to_dict(check_spec(job.spec, limits))
@@ -185,99 +181,64 @@ class Scheduler:
         if budget <= 0:
             self._refuse(s, job, over_time(job.run_seconds, limits))
             return False
+        if job.attempts >= job.max_attempts:  # only a row written behind the API's back gets here
+            self._refuse(s, job, f"it has used all of its max_attempts = {job.max_attempts} attempts")
+            return False
         job_dir = self.home / "jobs" / job.id
         resume = (job_dir / "run" / "ledger.jsonl").exists()
         number = job.attempts + 1
-        if not move(s, job, JobState.RUNNING, event={"attempt": number, "resumed": resume}, attempts=number,
-                    started_at=job.started_at or now()):
+        if not move(s, job, JobState.STARTING, event={"attempt": number, "resumed": resume}, attempts=number):
             return False
-        s.commit()  # claimed: from here a cancel sees RUNNING and the attempt is asked to stop
-        try:
-            self.running[job.id] = self._launch(job, d, inputs, limits, job_dir, number, budget, resume)
-        except Exception as e:  # noqa: BLE001 - the attempt fails, never the scheduler
-            message = str(e) if isinstance(e, ServiceError) else "the worker could not start it (see its log)"
-            log.exception("job %s: attempt %d did not start", job.id, number)
-            self._end_attempt(s, job, number, time.time(), code=None, error=f"attempt {number}: {message}",
-                              fatal=isinstance(e, ServiceError))
-            s.commit()
-            return False
+        s.commit()  # claimed: from here a cancel sees STARTING and the launch is asked to stop
+        plan = Plan(job.id, job.tenant_id, number, d, inputs, limits, job_dir, budget, resume)
+        started = Launch(plan, None)
+        started.future = self._pool.submit(launch, plan, started.cancel, storage=self.storage,
+                                           ray_address=self.ray_address, memory=self.memory, capacity=self.capacity())
+        self.starting[job.id] = started
         return True
 
-    def _launch(self, job: Job, d: dict, inputs: Inputs, limits: Limits, job_dir: Path, number: int, budget: float,
-                resume: bool) -> Attempt:
-        from ray.util.placement_group import placement_group, remove_placement_group
+    def _launched(self, s) -> None:
+        """Record the launches that finished: RUNNING once the process exists (unless a cancel
+        came: then the process is stopped like any other), the job cancelled or the attempt
+        failed if none was started."""
+        for job_id, started in list(self.starting.items()):
+            if not started.future.done():
+                continue
+            del self.starting[job_id]
+            job, number = s.get(Job, job_id), started.plan.number
+            try:
+                attempt = started.future.result()
+            except LaunchCancelled:
+                self._not_started(s, job, number, None)
+            except Exception as e:  # noqa: BLE001 - the attempt fails, never the scheduler
+                log.error("job %s: attempt %d did not start", job_id, number, exc_info=e)
+                self._not_started(s, job, number, e)
+            else:
+                self.running[job_id] = attempt
+                if job.state == JobState.STARTING.value:  # (a cancel meanwhile: _cancel_requested stops it)
+                    move(s, job, JobState.RUNNING, event={"attempt": number}, started_at=job.started_at or now())
+            s.commit()
 
-        pg = placement_group([{SLOT: 1}])
-        try:
-            ray.get(pg.ready(), timeout=60)
-            job_dir.mkdir(parents=True, exist_ok=True)
-            spec = self._materialise(d, inputs, job_dir, limits.max_job_gpus)
-            run = job_dir / "run"
-            cmd = [sys.executable, "-m", "lockstep.cli", "run"]
-            cmd += ["--resume", str(run)] if resume else [str(spec), "--run-dir", str(run)]
-            if self.ray_address:
-                cmd += ["--ray-address", self.ray_address]
-            env = {**os.environ, "PYTHONWARNINGS": "ignore", SUPERVISOR_ENV: str(os.getpid()),
-                   ALLOWLIST_ENV: ",".join(limits.user_env_modules)}
-            with open(job_dir / f"attempt-{number}.log", "w") as out:
-                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        except BaseException:
-            remove_placement_group(pg)
-            raise
-        offset = sum(1 for _ in open(run / "metrics.jsonl")) if resume and (run / "metrics.jsonl").exists() else 0
-        return Attempt(job.id, job.tenant_id, number, proc, job_dir, pg, time.time(), budget, offset)
-
-    def _materialise(self, d: dict, inputs: Inputs, job_dir: Path, max_gpus: int = 0) -> Path:
-        """spec.json for `lockstep run`: references replaced by local paths, inputs copied into
-        the job's directory (kept for the resumed attempts); a CUDA job gets the GPUs it asked for
-        (check_spec capped them) or, asking for the machine's (-1), the tenant's cap."""
-        d = json.loads(json.dumps(d))
-        local = job_dir / "inputs"
-        local.mkdir(exist_ok=True)
-        if inputs.model_kind == "base":
-            d["model"]["path"] = inputs.model
-        elif inputs.model_kind == "job":
-            target = local / "model"
-            if not target.is_dir():
-                if not self.storage.has_dir(inputs.model):
-                    raise ServiceError(f"model.path {d['model']['path']!r}: that job's final model is not in storage")
-                self.storage.get_dir(inputs.model, job_dir / ".model-partial")
-                (job_dir / ".model-partial").rename(target)
-            d["model"]["path"] = str(target)
-        for field, value in data_fields(d):
-            if value:
-                key = inputs.datasets[value]
-                target = local / key.rsplit("/", 1)[1]  # "<id>.<format>": the suite reads the suffix
-                if not target.is_file():
-                    if not self.storage.exists(key):
-                        raise ServiceError(f"{field}: dataset {value} is not in storage (deleted?)")
-                    with self.storage.open(key) as src, open(target.with_suffix(".partial"), "wb") as dst:
-                        shutil.copyfileobj(src, dst)
-                    target.with_suffix(".partial").rename(target)
-                _set(d, field, str(target))
-        share = max(1, int(ray.cluster_resources().get("CPU", 1)) // max(1, self.capacity()))
-        d["runtime"]["cpus"] = share
-        if d["model"]["device"] == "cuda" and d["runtime"]["gpus"] < 0:
-            d["runtime"]["gpus"] = max_gpus
-        spec = job_dir / "spec.json"
-        spec.write_text(json.dumps(d))
-        return spec
+    def _not_started(self, s, job: Job, number: int, error: Exception | None) -> None:
+        if self.stopping:
+            self._requeue_interrupted(s, job, "worker stopping")
+            return
+        if error is None:
+            message = "its start was cancelled"
+        elif isinstance(error, ServiceError):
+            message = str(error)
+        else:
+            message = "the worker could not start it (see its log)"
+        self._end_attempt(s, job, number, time.time(), code=None, error=f"attempt {number}: {message}",
+                          fatal=isinstance(error, ServiceError))
 
     def _signal(self, attempt: Attempt) -> None:
         attempt.signalled_at = time.time()
         _killpg(attempt.proc.pid, signal.SIGTERM)
 
     def _tail(self, s, attempt: Attempt, job: Job) -> None:
-        from lockstep.service.db import JobEvent
-
-        path = attempt.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return
-        lines = path.read_text().splitlines()
-        for line in lines[attempt.metrics_offset:]:
-            if line.strip():
-                s.add(JobEvent(job_id=job.id, kind="metrics", data=json.loads(line)))
-        attempt.metrics_offset = len(lines)
+        for record in attempt.tail.new():
+            s.add(JobEvent(job_id=job.id, kind="metrics", data=record))
 
     def _poll(self, attempt: Attempt) -> None:
         code = attempt.proc.poll()
@@ -287,17 +248,30 @@ class Scheduler:
             if code is None:
                 if time.time() - attempt.log_uploaded > LOG_EVERY_S:
                     self._upload_log(attempt)
-                ran = job.run_seconds + time.time() - attempt.started
-                if attempt.stopped_for is None and time.time() - attempt.started > attempt.budget_s:
-                    attempt.stopped_for = over_time(ran, self.policy.for_tenant(s.get(Tenant, job.tenant_id).name))
-                    log.warning("job %s: %s", job.id, attempt.stopped_for)
-                    _killpg(attempt.proc.pid, signal.SIGKILL)
-                elif attempt.signalled_at and time.time() - attempt.signalled_at > KILL_GRACE_S:
-                    _killpg(attempt.proc.pid, signal.SIGKILL)
+                self._enforce_caps(s, job, attempt)
                 s.commit()
                 return
             self._ended(s, job, attempt, code)
             s.commit()
+
+    def _enforce_caps(self, s, job: Job, attempt: Attempt) -> None:
+        """Stop a live attempt over its time cap, its memory cap (the kernel killed one of its
+        processes for it) or its grace after SIGTERM."""
+        if attempt.stopped_for is None:
+            if time.time() - attempt.started > attempt.budget_s:
+                ran = job.run_seconds + time.time() - attempt.started
+                attempt.stopped_for = over_time(ran, self.policy.for_tenant(s.get(Tenant, job.tenant_id).name))
+            elif attempt.memory.oom_kills():
+                attempt.stopped_for = f"attempt {attempt.number}: stopped: {attempt.memory.describe('max_job_memory_mb')}"
+            if attempt.stopped_for is not None:
+                log.warning("job %s: %s", job.id, attempt.stopped_for)
+                self._kill(attempt)
+        elif attempt.signalled_at and time.time() - attempt.signalled_at > KILL_GRACE_S:
+            self._kill(attempt)
+
+    def _kill(self, attempt: Attempt) -> None:
+        _killpg(attempt.proc.pid, signal.SIGKILL)
+        attempt.memory.kill()  # its Ray actors too: they are the raylet's children, in the job's cgroup
 
     def _ended(self, s, job: Job, attempt: Attempt, code: int) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -305,9 +279,17 @@ class Scheduler:
         del self.running[job.id]
         remove_placement_group(attempt.pg)
         self._upload_log(attempt)
+        over_memory = attempt.stopped_for is None and code != 0 and self._over_memory(attempt)
+        if (peak := attempt.memory.peak()) is not None:
+            log.info("job %s attempt %d: peak memory %d MiB (cap %d MiB)", job.id, attempt.number, peak >> 20,
+                     attempt.memory.limit >> 20)
+        if not attempt.memory.remove():
+            self._leftovers.append(attempt.memory)
         error, summary = None, None
         if attempt.stopped_for:
             error = attempt.stopped_for
+        elif over_memory:
+            error = f"attempt {attempt.number} ran out of memory: {attempt.memory.describe('max_job_memory_mb')}"
         elif code == 0:
             try:
                 summary = self._store_results(s, job, attempt)
@@ -319,8 +301,16 @@ class Scheduler:
             log.warning("job %s attempt %d exited with code %s; its output ends:\n%s", job.id, attempt.number, code,
                         tail[-4000:])
             error = f"attempt {attempt.number} exited with code {code}: {attempt_error(tail, attempt.job_dir)}"
-        self._end_attempt(s, job, attempt.number, attempt.started, code, error, fatal=attempt.stopped_for is not None,
-                          summary=summary)
+        fatal = attempt.stopped_for is not None or over_memory
+        self._end_attempt(s, job, attempt.number, attempt.started, code, error, fatal=fatal, summary=summary)
+
+    @staticmethod
+    def _over_memory(attempt: Attempt) -> bool:
+        """Whether a failed attempt died of its memory limit: an OOM kill in its cgroup, or (under
+        RLIMIT_AS) an allocation refused in its output."""
+        if attempt.memory.cgroup is not None:
+            return attempt.memory.oom_kills() > 0
+        return memlimit.ran_out(_read_tail(attempt.log_path, 64 << 10))
 
     def _end_attempt(self, s, job: Job, number: int, started: float, code: int | None, error: str | None, *,
                      fatal: bool = False, summary: dict | None = None) -> None:
@@ -333,8 +323,7 @@ class Scheduler:
                 return
         raise RuntimeError(f"job {job.id}: could not record the end of attempt {number}")
 
-    @staticmethod
-    def _outcome(job: Job, state: JobState, number: int, code: int | None, error: str | None, fatal: bool,
+    def _outcome(self, job: Job, state: JobState, number: int, code: int | None, error: str | None, fatal: bool,
                  summary: dict | None) -> tuple[JobState, dict]:
         done = {"finished_at": now()}
         if fatal:
@@ -343,14 +332,25 @@ class Scheduler:
             return JobState.SUCCEEDED, {**done, "summary": summary}
         if state is JobState.CANCELLING:
             return JobState.CANCELLED, done
-        if code == PREEMPTED_EXIT and state is JobState.PREEMPTING:
-            return JobState.QUEUED, {"preemptions": job.preemptions + 1}
-        if state is JobState.PREEMPTING:
-            return JobState.QUEUED, {"error": error}
+        if state is JobState.PREEMPTING:  # given back: a preemption or the worker's stop is no failure
+            counter = "interruptions" if self.stopping else "preemptions"
+            values = {counter: getattr(job, counter) + 1, "attempts": max(0, job.attempts - 1)}
+            return JobState.QUEUED, values if code == PREEMPTED_EXIT else {**values, "error": error}
         if number < job.max_attempts:
             return JobState.QUEUED, {"error": error, "next_attempt_at": now() + dt.timedelta(
                 seconds=BACKOFF_S * 2 ** (number - 1))}
         return JobState.FAILED, {**done, "error": error}
+
+    def _requeue_interrupted(self, s, job: Job, reason: str) -> None:
+        """A job whose attempt its worker's stop interrupted before it ran: back to the queue, its
+        attempt given back."""
+        for _ in range(10):
+            state = JobState(job.state)
+            if state is JobState.CANCELLING:
+                if move(s, job, JobState.CANCELLED, event={"reason": reason}, finished_at=now()):
+                    return
+            elif move(s, job, JobState.QUEUED, event={"reason": reason}, **_interrupted(job)):
+                return
 
     def _store_results(self, s, job: Job, attempt: Attempt) -> dict:
         """Upload the artifacts and meter the tokens; -> the summary the job shows."""
@@ -382,30 +382,53 @@ class Scheduler:
             log.warning("job %s: uploading its log failed: %s", attempt.job_id, e)
 
     def shutdown(self) -> None:
-        """The worker stops: running jobs are preempted (they resume when a worker is back)."""
-        for attempt in list(self.running.values()):
-            self._signal(attempt)
+        """The worker stops: launches are called off and running jobs preempted; both go back to
+        the queue, their attempts given back (they resume when a worker is back)."""
+        self.stopping = True
+        for started in self.starting.values():
+            started.cancel.set()
+        concurrent.futures.wait([started.future for started in self.starting.values()], timeout=KILL_GRACE_S)
+        with self.sessions() as s:
+            self._launched(s)  # (a process that started anyway joins the running ones)
+            for attempt in self.running.values():
+                job = s.get(Job, attempt.job_id)
+                if job.state == JobState.RUNNING.value:
+                    move(s, job, JobState.PREEMPTING, event={"reason": "worker stopping"})
+                self._signal(attempt)
+            s.commit()
         deadline = time.time() + KILL_GRACE_S
         while self.running and time.time() < deadline:
             for attempt in list(self.running.values()):
                 if attempt.proc.poll() is not None:
                     with self.sessions() as s:
-                        job = s.get(Job, attempt.job_id)
-                        if job.state == JobState.RUNNING.value:
-                            move(s, job, JobState.PREEMPTING, event={"reason": "worker stopping"})
-                        self._ended(s, job, attempt, attempt.proc.returncode)
+                        self._ended(s, s.get(Job, attempt.job_id), attempt, attempt.proc.returncode)
                         s.commit()
             time.sleep(0.2)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _interrupted(job: Job) -> dict:
+    """The columns of a job whose attempt was interrupted by its worker: the attempt given back,
+    the interruption counted."""
+    return {"interruptions": job.interruptions + 1, "attempts": max(0, job.attempts - 1)}
 
 
 def adopt_orphans(sessions) -> int:
-    """At worker start-up: jobs a dead worker was running go back to the queue (they resume);
+    """At worker start-up: jobs a dead worker was starting or running go back to the queue (they
+    resume; their attempt is given back, the interruption counted, up to MAX_INTERRUPTIONS);
     those being cancelled end cancelled."""
+    reason = {"reason": "worker restarted"}
     with sessions() as s:
-        jobs = list(s.scalars(select(Job).where(Job.state.in_([JobState.RUNNING.value, JobState.PREEMPTING.value]))))
-        adopted = sum(move(s, job, JobState.QUEUED, event={"reason": "worker restarted"}) for job in jobs)
+        adopted = 0
+        for job in list(s.scalars(select(Job).where(Job.state.in_(LIVE)))):
+            if job.interruptions + 1 > MAX_INTERRUPTIONS:
+                move(s, job, JobState.FAILED, event=reason, finished_at=now(),
+                     error=f"its worker stopped or died during {job.interruptions + 1} of its attempts "
+                           f"(at most {MAX_INTERRUPTIONS}); not retried")
+            else:
+                adopted += move(s, job, JobState.QUEUED, event=reason, **_interrupted(job))
         for job in s.scalars(select(Job).where(Job.state == JobState.CANCELLING.value)):
-            move(s, job, JobState.CANCELLED, event={"reason": "worker restarted"}, finished_at=now())
+            move(s, job, JobState.CANCELLED, event=reason, finished_at=now())
         s.commit()
     return adopted
 
@@ -421,13 +444,6 @@ def _killpg(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except ProcessLookupError:
         pass
-
-
-def _set(d: dict, field: str, value) -> None:
-    """d[field] = value for a data_fields() name ("env.path", "stages[1].dataset")."""
-    head, key = field.split(".")
-    node = d["stages"][int(head[7:-1])] if head.startswith("stages[") else d[head]
-    node[key] = value
 
 
 def _read_tail(path: Path, size: int = LOG_TAIL_BYTES) -> str:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from lockstep.config.types import DEVICES, DRAFTERS, DTYPES
+from lockstep.memlimit import MODES as MEMORY_MODES
 
 log = logging.getLogger("lockstep.serve")
 
@@ -129,6 +130,7 @@ def run_api(*, host: str, port: int, db: str, storage: str, max_body_mb: int, wo
     import uvicorn
 
     from lockstep import raylocal
+    from lockstep.service import http_head
     from lockstep.service.app import ServiceConfig, create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -146,7 +148,8 @@ def run_api(*, host: str, port: int, db: str, storage: str, max_body_mb: int, wo
                              *worker_args])
         child.start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+                    http=http_head.protocol(), h11_max_incomplete_event_size=http_head.MAX_HEAD_BYTES)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if child is not None:
@@ -185,6 +188,9 @@ WORKER_OPTIONS = (  # (flag, WorkerConfig field, type, help): shared by `lockste
     ("--speculative", "speculative", lambda v: _choice(v, DRAFTERS),
      "speculative decoding in sampling sessions: off, suffix or model (samples and logprobs never change)"),
     ("--draft-tokens", "draft_tokens", lambda v: _at_least(v, 1, 64), "tokens drafted per row and step, at most"),
+    ("--job-memory", "job_memory", lambda v: _choice(v, MEMORY_MODES),
+     "how a job's memory is capped (the policy's max_job_memory_mb): auto (a cgroup per job where possible, "
+     "else RLIMIT_AS per process), cgroup (refuse to start without one) or rlimit"),
 )
 
 

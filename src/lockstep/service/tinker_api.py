@@ -283,6 +283,7 @@ async def forward_backward(request: Request, t: Tenant = TENANT):
         check_loss(fb.loss_fn, fb.loss_fn_config)
         for i, d in enumerate(fb.data):
             wire.check_datum(i, d.model_input, d.loss_fn_inputs, model.vocab_size, model.max_context_length)
+        wire.check_loss_inputs(fb)
         return body
 
     kind = RequestKind.FORWARD if msg.forward_only else RequestKind.FORWARD_BACKWARD

@@ -72,7 +72,10 @@ class RequestState(str, enum.Enum):
 
 class JobState(str, enum.Enum):
     QUEUED = "queued"
+    STARTING = "starting"
+    """Claimed by a worker, which is taking a slot and copying its inputs; no process yet."""
     RUNNING = "running"
+    """Its `lockstep run` process exists (the wall-clock cap counts from its start)."""
     PREEMPTING = "preempting"
     """Asked to checkpoint and stop; goes back to QUEUED, and later resumes from the checkpoint."""
     CANCELLING = "cancelling"
@@ -86,7 +89,8 @@ class JobState(str, enum.Enum):
 
 
 JOB_TRANSITIONS: dict[JobState, tuple[JobState, ...]] = {
-    JobState.QUEUED: (JobState.RUNNING, JobState.CANCELLED, JobState.FAILED),
+    JobState.QUEUED: (JobState.STARTING, JobState.CANCELLED, JobState.FAILED),
+    JobState.STARTING: (JobState.RUNNING, JobState.QUEUED, JobState.FAILED, JobState.CANCELLING),
     JobState.RUNNING: (JobState.SUCCEEDED, JobState.FAILED, JobState.QUEUED, JobState.PREEMPTING,
                        JobState.CANCELLING),
     JobState.PREEMPTING: (JobState.QUEUED, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLING),
@@ -95,8 +99,10 @@ JOB_TRANSITIONS: dict[JobState, tuple[JobState, ...]] = {
     JobState.FAILED: (),
     JobState.CANCELLED: (),
 }
-"""RUNNING -> QUEUED is a failed attempt with retries left (after a backoff) or a finished
-preemption; QUEUED -> FAILED a stored spec the worker's policy refuses; a job only ever ends in a
+"""STARTING -> QUEUED or RUNNING -> QUEUED is a failed attempt with retries left (after a
+backoff), a finished preemption or an attempt its worker's stop or death interrupted; QUEUED ->
+FAILED a stored spec the worker's policy refuses; a cancel of a STARTING or RUNNING job goes
+through CANCELLING (the scheduler stops the launch or the process); a job only ever ends in a
 terminal state."""
 
 
@@ -152,6 +158,10 @@ class WorkerConfig:
     """Optimizer steps between durable model states (0: never; recovery then replays from creation)."""
     job_slots: int = 1
     """Jobs this worker's Ray node runs at once (the `lockstep_job_slots` resource)."""
+    job_memory: str = "auto"
+    """How each job's memory is capped (the policy's max_job_memory_mb): "auto" (a cgroup of its own
+    where this worker's cgroup allows one, else RLIMIT_AS per process), "cgroup" (refuse to start
+    without one) or "rlimit" (see lockstep/memlimit.py)."""
     idle_poll_s: float = 0.25
     max_attempts: int = 3
     """Executor deaths a request may cause before it is failed instead of requeued."""

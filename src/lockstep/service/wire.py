@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from lockstep.config.types import LOSS_INPUTS, missing_loss_input
 from lockstep.service.types import ServiceError
 
 FLOAT_KEYS = ("weights", "logprobs", "advantages", "sequence_ratio_mask", "clip_low_threshold", "clip_high_threshold")
@@ -189,6 +190,15 @@ def check_datum(i: int, model_input: tuple[int, ...], inputs: dict[str, np.ndarr
             raise ServiceError(f"{what}: loss_fn_inputs[{key!r}] must be float32, got {arr.dtype}")
         elif not np.all(np.isfinite(arr)):
             raise ServiceError(f"{what}: loss_fn_inputs[{key!r}] contains NaN or inf")
+
+
+def check_loss_inputs(fb: FwdBwd) -> None:
+    """Every datum carries the inputs its (checked, built-in) loss needs: a missing one has no
+    default to train on (config.types.LOSS_INPUTS)."""
+    problem = missing_loss_input(fb.loss_fn, LOSS_INPUTS[fb.loss_fn], fb.loss_fn_config,
+                                 (d.loss_fn_inputs.keys() for d in fb.data))
+    if problem is not None:
+        raise ServiceError(problem)
 
 
 def _config(msg) -> dict[str, float]:

@@ -19,7 +19,8 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from lockstep import raylocal
+from lockstep import memlimit, raylocal
+from lockstep.config import ConfigError
 from lockstep.runtime.plan import require_gpus, visible_gpus
 from lockstep.service import janitor, queue
 from lockstep.service.db import BaseModelEntry, connect
@@ -41,6 +42,20 @@ def register_base_models(session, models: dict) -> None:
                                      vocab_size=int(cfg["vocab_size"]),
                                      max_context_length=int(cfg.get("max_position_embeddings", 2048))))
     session.commit()
+
+
+def job_memory(mode: str) -> memlimit.Backend:
+    """How jobs' memory is capped here, said at start (MemoryLimitError, ending the start, when
+    the operator asked for a cgroup and there is none)."""
+    try:
+        backend = memlimit.detect(mode)
+    except memlimit.MemoryLimitError as e:
+        raise ConfigError(str(e)) from None
+    log.info("job memory limits: %s", backend.why)
+    if not backend.cgroup:
+        log.warning("jobs with model.device = 'cuda' run without a memory cap here: CUDA maps more address space "
+                    "than RLIMIT_AS can allow (give the worker a cgroup with the memory controller)")
+    return backend
 
 
 class Retrying:
@@ -81,6 +96,7 @@ class Worker:
         raylocal.guard()  # before anything is started: jobs, Ray and the Executor die with this process
         if self.config.device == "cuda":  # no GPU or no Triton: an error now, never a CPU fallback
             require_gpus(visible_gpus(), "--device", "start the worker with --device cpu")
+        memory = job_memory(self.config.job_memory)
         home = Path(self.config.home)
         home.mkdir(parents=True, exist_ok=True)
         models = {BUILTIN_MODEL: str(ensure_tiny_model()), **self.config.models}
@@ -97,7 +113,7 @@ class Worker:
         if adopted:
             log.info("requeued %d jobs a previous worker was running", adopted)
         address = self.config.ray_address or ray.get_runtime_context().gcs_address
-        self.scheduler = Scheduler(self.sessions, self.storage, home, address)
+        self.scheduler = Scheduler(self.sessions, self.storage, home, address, memory=memory)
         # On this node: the API rings it on loopback. num_cpus=0: it takes no Ray CPU slot, which the
         # jobs' actors need; it sets its own threads. Two threads of the actor: serve() and stop().
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
