@@ -225,7 +225,8 @@ def grpo_step(micro_batches: int, group: int, prompt: int, completion: int, voca
         for _ in range(group):
             tail = torch.randint(4, min(4000, vocab), (completion,), generator=g).tolist()
             n = prompt + completion - 1
-            part.append(Datum.from_tokens(head + tail, [0.0] * (prompt - 1) + [1.0] * completion,
+            mask = [0.0] * (prompt - 1) + [1.0] * completion  # the sampled tokens form the sequence ratio
+            part.append(Datum.from_tokens(head + tail, mask, sequence_ratio_mask=mask,
                                           logprobs=(-0.5 - 2.5 * torch.rand(n, generator=g)).numpy(),
                                           advantages=torch.full((n,), float(torch.randn(1, generator=g))).numpy()))
         parts.append(part)

@@ -186,7 +186,8 @@ def group_datums(prompt: tuple[int, ...], completions: list[list[int]], seed: in
     out = []
     for c in completions:
         n = len(prompt) + len(c) - 1
-        out.append(Datum.from_tokens(list(prompt) + c, [0.0] * (len(prompt) - 1) + [1.0] * len(c),
+        mask = [0.0] * (len(prompt) - 1) + [1.0] * len(c)  # the completion forms GSPO's sequence ratio
+        out.append(Datum.from_tokens(list(prompt) + c, mask, sequence_ratio_mask=mask,
                                      logprobs=-g.uniform(0.5, 3.0, n).astype(np.float32),
                                      advantages=np.full(n, g.normal(), np.float32)))
     return out
