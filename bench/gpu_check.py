@@ -9,6 +9,12 @@
 3. Train step: the invariant trainer's step (forward_backward + optim_step) against the plain
    transformers step (autocast bf16 over float32 weights, loss.backward, AdamW), same batch.
 4. MFU of both train steps against the measured bf16 matmul peak (8192^3 products).
+5. Data parallel: a step of GRPO groups (shared prompts, so the trainer shares their prefixes)
+   under GSPO, one trainer accumulating its micro-batches against each micro-batch's gradient
+   computed alone (in reverse order, as ranks finish in any order) and summed in micro-batch
+   order, engine/data_parallel.py's chain: the gradients must be the same bits. One GPU cannot
+   hold two NCCL ranks, so the ranks are emulated in one process; what a rank changes is only
+   where a micro-batch's gradient is computed, which is what this compares.
 
 Writes one JSON object (--out) and prints a table. --quick shrinks every size (a short GPU run);
 --cpu-smoke runs every step on the CPU under Triton's interpreter (TRITON_INTERPRET=1) at toy
@@ -59,6 +65,11 @@ class Sizes:
     train_seq: int
     repeats: int
     peak_n: int
+    dp_micro_batches: int
+    """Data parallel: micro-batches of one step, each a group of dp_group completions of a prompt."""
+    dp_group: int
+    dp_prompt: int
+    dp_completion: int
     builtin: bool = True
     """Also check the built-in model (under the interpreter it alone takes ~10 minutes)."""
 
@@ -68,11 +79,12 @@ class Sizes:
         return {"device": self.device, "kernels": "triton"}
 
 
-FULL = Sizes("cuda", QWEN2_05B, 16, consistency.BATCH_SIZES, 64, 64, 128, 16, 512, 3, 8192)
-QUICK = Sizes("cuda", dict(QWEN2_05B, num_hidden_layers=4), 8, consistency.BATCH_SIZES, 64, 64, 32, 4, 256, 1, 8192)
+FULL = Sizes("cuda", QWEN2_05B, 16, consistency.BATCH_SIZES, 64, 64, 128, 16, 512, 3, 8192, 3, 8, 256, 128)
+QUICK = Sizes("cuda", dict(QWEN2_05B, num_hidden_layers=4), 8, consistency.BATCH_SIZES, 64, 64, 32, 4, 256, 1, 8192,
+              2, 4, 64, 32)
 CPU_SMOKE = Sizes("cpu", dict(QWEN2_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
-                  2, (1, 3), 2, 5, 3, 2, 16, 1, 64, builtin=False)
+                  2, (1, 3), 2, 5, 3, 2, 16, 1, 64, 2, 3, 6, 3, builtin=False)
 SIZES: Sizes = FULL
 """The sizes of this run (main() sets them)."""
 
@@ -202,6 +214,56 @@ def train_steps(model_dir: Path) -> dict:
             "ratio": round(ours_s / plain_s, 3), "flops_per_step": flops}
 
 
+def grpo_step(micro_batches: int, group: int, prompt: int, completion: int, vocab: int) -> list[list[Datum]]:
+    """A step's micro-batches: each one group of `group` completions of its own prompt, with the
+    sampler logprobs and advantages GSPO reads."""
+    g = torch.Generator().manual_seed(7)
+    parts = []
+    for m in range(micro_batches):
+        head = random_tokens(1, prompt, vocab)[0].roll(m).tolist()
+        part = []
+        for _ in range(group):
+            tail = torch.randint(4, min(4000, vocab), (completion,), generator=g).tolist()
+            n = prompt + completion - 1
+            mask = [0.0] * (prompt - 1) + [1.0] * completion  # the sampled tokens form the sequence ratio
+            part.append(Datum.from_tokens(head + tail, mask, sequence_ratio_mask=mask,
+                                          logprobs=(-0.5 - 2.5 * torch.rand(n, generator=g)).numpy(),
+                                          advantages=torch.full((n,), float(torch.randn(1, generator=g))).numpy()))
+        parts.append(part)
+    return parts
+
+
+def data_parallel_step(model_dir: Path) -> dict:
+    """One trainer's accumulated gradients against each micro-batch's alone, summed in order."""
+    parts = grpo_step(SIZES.dp_micro_batches, SIZES.dp_group, SIZES.dp_prompt, SIZES.dp_completion,
+                      SIZES.shape["vocab_size"])
+    trainer = Trainer.from_pretrained(model_dir, compute=Compute(dtype="bfloat16", **SIZES.compute_kw))
+    t = time.perf_counter()
+    for part in parts:  # one trainer: autograd accumulates in micro-batch order
+        trainer.forward_backward(part, "gspo")
+    one = {n: p.grad.clone() for n, p in trainer.params.items() if p.grad is not None}
+    trainer.zero_grad()
+    alone: list = [None] * len(parts)
+    for m in reversed(range(len(parts))):  # each "rank" computes its micro-batch on its own
+        trainer.forward_backward(parts[m], "gspo")
+        alone[m] = {n: p.grad.clone() for n, p in trainer.params.items() if p.grad is not None}
+        trainer.zero_grad()
+    sync()
+    seconds = time.perf_counter() - t
+    equal, worst, compared = 0, 0.0, len(one)
+    for name, g in one.items():
+        chained = alone[0][name]
+        for grads in alone[1:]:  # engine/data_parallel.py's chain: running sum in micro-batch order
+            chained = chained + grads[name]
+        equal += bool(torch.equal(chained, g))
+        worst = max(worst, float((chained - g).abs().max()))
+    del trainer, one, alone
+    free_memory()
+    return {"micro_batches": len(parts), "datums": sum(map(len, parts)), "loss": "gspo", "dtype": "bfloat16",
+            "tensors_bitwise_equal": equal, "tensors_compared": compared, "max_abs_diff": worst,
+            "seconds": round(seconds, 1)}
+
+
 def matmul_peak(n: int, repeats: int) -> float:
     """Measured bf16 TFLOP/s of an n^3 product (random data)."""
     a, b = (torch.randn(n, n, device=SIZES.device, dtype=torch.bfloat16) for _ in range(2))
@@ -218,6 +280,9 @@ def table(report: dict) -> str:
     s = report["sampler"]
     rows.append(f"| sampler new tokens/s, batch {s['batch']} (lockstep / HF generate = {s['ratio']}) | "
                 f"{s['lockstep_tok_s']} | {s['hf_generate_tok_s']} |")
+    d = report["data_parallel"]
+    rows.append(f"| data-parallel step = one trainer: gradients bitwise equal / compared (max abs diff) | "
+                f"{d['tensors_bitwise_equal']}/{d['tensors_compared']} ({d['max_abs_diff']:.3g}) | |")
     t = report["train"]
     rows.append(f"| train step s, {t['batch']}x{t['seq']} tokens (ratio {t['ratio']}, goal <= 1.3) | "
                 f"{t['lockstep_step_s']} | {t['transformers_step_s']} |")
@@ -258,6 +323,8 @@ def main() -> int:
         report["sampler"] = sampler_throughput(qwen)
         print("sampler", json.dumps(report["sampler"]), flush=True)
         report["train"] = train_steps(qwen)
+        report["data_parallel"] = data_parallel_step(qwen)
+        print("data_parallel", json.dumps(report["data_parallel"]), flush=True)
     peak = matmul_peak(SIZES.peak_n, 10)
     report["peak_tflops"] = round(peak, 3)
     t = report["train"]
@@ -267,7 +334,8 @@ def main() -> int:
     Path(a.out).write_text(json.dumps(report, indent=2))
     print(table(report))
     exact = all(c["tokens_bitwise_equal"] == c["tokens_compared"] for c in report["consistency"].values())
-    return 0 if exact else 1
+    d = report["data_parallel"]
+    return 0 if exact and d["tensors_bitwise_equal"] == d["tensors_compared"] else 1
 
 
 if __name__ == "__main__":

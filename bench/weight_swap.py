@@ -40,10 +40,10 @@ def main() -> None:
         publish, visible = [], []
         for i in range(args.repeats + 1):
             t = time.perf_counter()
-            version_ref, weights_ref = trainer.publish.remote()
-            ray.get(version_ref)
+            version_ref, lineage_ref, weights_ref = trainer.publish.remote()
+            lineage = ray.get([version_ref, lineage_ref])[1]
             t_pub = time.perf_counter()
-            ray.get(gen.set_weights.remote(i + 1, weights_ref, time.time()))
+            ray.get(gen.set_weights.remote(i + 1, weights_ref, time.time(), lineage))
             ray.get(gen.sample.remote(ONE_TOKEN))  # applies the pending weights, as a rollout's call does
             lat = ray.get(gen.stats.remote())["swap_latency_s_last"]
             if i:  # the first round warms up

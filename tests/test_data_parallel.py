@@ -4,6 +4,7 @@ resumes exactly under another."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -92,6 +93,55 @@ def test_a_checkpoint_resumes_under_another_number_of_ranks(tmp_path, builtin_di
     data_parallel(tmp_path / "a", builtin_dir, 2, 2, save=ckpt)  # 2 steps under 2 ranks, one checkpoint
     ranks = data_parallel(tmp_path / "b", builtin_dir, 3, 1, load=ckpt)  # the third under 3 ranks
     assert all(same(w, reference) for w in ranks), differences(ranks, reference)
+
+
+FAILING_MICRO = shares(MICRO, 3)[1].start  # rank 1's first micro-batch
+
+
+@pytest.fixture
+def ranks_ready(tmp_path, builtin_dir):
+    """3 ranks, started and loaded (each said so), waiting for the test's go to take one step, in
+    which rank 1 raises RuntimeError on FAILING_MICRO. Killed at teardown, whatever happened."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, WORKER, "--model", builtin_dir, "--rank", str(r), "--world", "3",
+                               "--port", str(port), "--steps", "1", "--micro", str(MICRO),
+                               "--weights-out", str(tmp_path / f"rank{r}.st"), "--fail-rank", "1",
+                               "--fail-micro", str(FAILING_MICRO)],
+                              env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(3)]
+    try:
+        for r, p in enumerate(procs):
+            assert json.loads(p.stdout.readline() or "null") == {"ready": r}, p.stderr.read()[-3000:]
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+# Timed from the go (func_only: the ranks' start-up is in the fixture), far below gloo's 300 s.
+@pytest.mark.timeout(120, func_only=True)
+def test_an_internal_error_on_one_rank_fails_the_step_on_every_rank_at_once(tmp_path, builtin_dir, ranks_ready):
+    """Rank 1 raises RuntimeError (not an EngineError) on its first micro-batch of step 0. It still
+    takes its part in the gradient chain, so every rank's step fails at once: rank 1 with its own
+    error, the others with PeerFailed naming rank 1 and the micro-batch (before, they waited in the
+    chain for gloo's 300 s timeout). No rank applied a gradient: each ends with the base weights."""
+    for p in ranks_ready:  # every rank goes before any is waited on
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    # Each rank's report of its failed step; the ranks stay alive (their connections open, as a
+    # trainer actor's after a failed call) until stdin closes, so none is freed by another's exit.
+    reports = [json.loads(p.stdout.readline() or "null") for p in ranks_ready]
+    outs = [p.communicate() for p in ranks_ready]
+    for p, (_, err) in zip(ranks_ready, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert reports[1] == {"rank": 1, "step": 0, "error": "RuntimeError",
+                          "message": "injected: an internal error on this rank"}
+    for r in (0, 2):
+        assert reports[r]["step"] == 0 and reports[r]["error"] == "PeerFailed"
+        assert f"micro-batch {FAILING_MICRO} failed on rank 1 of 3" in reports[r]["message"]
+    base = Trainer.from_pretrained(builtin_dir).weights_numpy()
+    assert all(same(load_file(str(tmp_path / f"rank{r}.st")), base) for r in range(3))
 
 
 def test_an_all_reduce_of_partial_sums_would_not_be_exact(builtin_dir):

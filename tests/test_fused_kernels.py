@@ -86,6 +86,28 @@ def test_a_rows_bits_never_depend_on_its_batch_padding_cache_or_threads(threads)
     assert torch.equal(fused.rms_norm(bx, w, 1e-5)[21], norm_alone[0])
 
 
+@pytest.mark.parametrize("k, n", [(4864, 896), (896, 4864)])  # a 0.5B model's down and gate/up projections
+def test_a_row_alone_is_the_same_bits_in_a_tall_tile_and_in_a_short_one_at_real_widths(k, n):
+    """The fused linear cuts rows into tiles of 8 to 512 (TILE_ROWS), so a row's bits rest on MKL
+    computing a row the same at every tile height. One row alone (a decode step: one 8-row tile)
+    and the same row in a 520-row product, inside its 512-row tile and in the 8-row tail tile, at
+    1 and 2 threads; the pure-PyTorch path (inv.linear) likewise."""
+    w, x = rand(n, k, seed=1) * 0.02, rand(1, k, seed=2)
+    torch.set_num_threads(1)
+    alone, alone_eager = fused.linear(x, w), inv.linear(x, w, None)
+    # Control: unpadded, MKL's single-row kernel gives other bits (what the padding to ROW_TILE avoids).
+    big = rand(520, k, seed=3)
+    big[515] = x[0]
+    assert not torch.equal((x @ w.t())[0], (big @ w.t())[515])
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for pos in (0, 511, 515):  # first and last row of the 512-row tile, a row of the 8-row tail
+            batch = rand(520, k, seed=3)
+            batch[pos] = x[0]
+            assert torch.equal(fused.linear(batch, w)[pos], alone[0]), (threads, pos)
+            assert torch.equal(inv.linear(batch, w, None)[pos], alone_eager[0]), (threads, pos)
+
+
 def test_gradients_match_the_pure_pytorch_ops():
     def grads(f, *inputs):
         inputs = [t.clone().requires_grad_(True) for t in inputs]
@@ -186,3 +208,34 @@ def test_keys_a_query_does_not_see_never_reach_its_gradient_even_when_they_score
         assert all(torch.isfinite(g).all() for g in (qq.grad, kk.grad, vv.grad))
         grads.append(qq.grad[:, 0])
     assert torch.equal(grads[0], grads[1])
+
+
+X86_CPUINFO = """processor\t: {cpu}
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 106
+model name\t: Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz
+cpu MHz\t\t: {mhz}
+flags\t\t: fpu sse sse2 avx avx2 fma {extra}
+bogomips\t: 5800.00
+"""
+
+
+def cpuinfo(extra: str, mhz: str = "2900.000") -> str:
+    """A two-processor /proc/cpuinfo; the second processor never decides the tag."""
+    return "\n".join(X86_CPUINFO.format(cpu=i, mhz=mhz, extra=extra) for i in range(2))
+
+
+def test_the_build_tag_tells_apart_cpus_that_share_a_model_name_but_not_its_instruction_sets(monkeypatch):
+    """A shared kernels directory across hosts: a VM that masks AVX-512 reports the same model
+    name as the host that has it, and a build for the host would die with SIGILL in the VM."""
+    from lockstep.engine import kernels
+
+    def tag_for(text: str) -> str:
+        monkeypatch.setattr(kernels, "_read_cpuinfo", lambda: text)
+        return kernels.tag()
+
+    with_avx512 = tag_for(cpuinfo("avx512f avx512bw avx512vl"))
+    assert tag_for(cpuinfo("")) != with_avx512
+    # What does not change the code the compiler emits keeps the tag (no rebuild per clock speed).
+    assert tag_for(cpuinfo("avx512f avx512bw avx512vl", mhz="1200.331")) == with_avx512

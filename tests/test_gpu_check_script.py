@@ -31,7 +31,11 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     assert sampler["lockstep_tok_s"] > 0 and sampler["hf_generate_tok_s"] > 0 and sampler["ratio"] > 0
     assert train["lockstep_step_s"] > 0 and train["transformers_step_s"] > 0 and train["flops_per_step"] > 0
     assert train["lockstep_mfu"] > 0 and train["transformers_mfu"] > 0 and report["peak_tflops"] > 0
+    dp = report["data_parallel"]  # a data-parallel step's gradients are one trainer's, bit for bit
+    assert dp["micro_batches"] == 2 and dp["tensors_compared"] > 0
+    assert dp["tensors_bitwise_equal"] == dp["tensors_compared"] and dp["max_abs_diff"] == 0.0
     assert "| train step s" in proc.stdout and "| consistency qwen2-random/bfloat16" in proc.stdout
+    assert "| data-parallel step = one trainer" in proc.stdout
 
 
 def test_the_cpu_smoke_run_asks_for_the_interpreter():

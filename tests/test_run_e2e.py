@@ -256,7 +256,7 @@ def test_a_restarted_actor_refuses_the_calls_that_need_its_lost_state(builtin_di
     trainer = TrainerActor.options(**opts).remote(builtin_dir, 0, 32.0, 1)
     generator = GeneratorActor.options(**opts).remote(builtin_dir, 0, 32.0, 1)
     request = [SampleRequest((20, 21, 22), SamplingParams(max_tokens=3, seed=0))]
-    version, weights = trainer.publish.remote()
+    version, lineage, weights = trainer.publish.remote()
     assert ray.get(version) == 0 and ray.get(generator.sample.remote(request))  # fresh actors serve
     for actor in (trainer, generator):
         before = ray.get(actor.stats.remote())["incarnation"]
@@ -274,7 +274,7 @@ def test_a_restarted_actor_refuses_the_calls_that_need_its_lost_state(builtin_di
         ray.get(trainer.publish.remote()[0])
     with pytest.raises(ActorRestarted, match="trainer was restarted"):
         ray.get(trainer.save_state.remote(str(Path(builtin_dir).parent / "never"), {}))
-    ray.get(generator.set_weights.remote(7, weights, time.time()))  # given its state back, it serves again
+    ray.get(generator.set_weights.remote(7, weights, time.time(), ray.get(lineage)))  # given its state back, it serves again
     assert ray.get(generator.sample.remote(request))[0].sequences[0].policy_version == 7
     ray.get(trainer.start_fresh.remote())
     assert ray.get(trainer.publish.remote()[0]) == 0

@@ -81,8 +81,9 @@ def test_a_swap_mid_decode_stalls_its_replica_once_and_a_hold_stops_it(builtin_d
     trainer = TrainerActor.options(num_cpus=0.5).remote(builtin_dir, 0, 32.0, 1)
     gen = GeneratorActor.options(num_cpus=0.5).remote(builtin_dir, 0, 32.0, 1)
     ray.get(trainer.start_fresh.remote())
-    _, weights = trainer.publish.remote()
-    ray.get(gen.set_weights.remote(0, weights, time.time()))
+    _, lineage, weights = trainer.publish.remote()
+    lineage = ray.get(lineage)
+    ray.get(gen.set_weights.remote(0, weights, time.time(), lineage))
     long = [SampleRequest((5, 6, 7), SamplingParams(max_tokens=480, temperature=1.0, stop=(), seed=3), num_samples=8)]
 
     def started(ref):
@@ -94,7 +95,7 @@ def test_a_swap_mid_decode_stalls_its_replica_once_and_a_hold_stops_it(builtin_d
     try:
         ref = gen.sample.remote(long)
         started(ref)
-        ray.get(gen.set_weights.remote(1, weights, time.time()))
+        ray.get(gen.set_weights.remote(1, weights, time.time(), lineage))
         assert ray.get(gen.until_swapped.remote(30), timeout=40)
         (result,) = ray.get(ref, timeout=120)
         s = ray.get(gen.stats.remote())
@@ -114,6 +115,56 @@ def test_a_swap_mid_decode_stalls_its_replica_once_and_a_hold_stops_it(builtin_d
         assert s["stalls"] == 2 and s["stall_s_max"] >= 0.3
     finally:
         ray.kill(gen), ray.kill(trainer)
+
+
+def test_after_a_rollback_an_idle_replica_takes_the_new_branch_at_the_same_version(builtin_dir, tmp_path):
+    """The trainer publishes version 1, rolls back to its version-0 checkpoint and publishes
+    version 0 and then version 1 of another branch. A replica idle since the rollback holds only
+    the last of them parked (each set_weights replaces the one before), the same version number
+    as the discarded branch's weights in use: it must swap, and sample as a replica that only ever
+    had the new branch's version 1 does."""
+    from lockstep.engine.types import Datum, SampleRequest, SamplingParams
+    from lockstep.runtime.actors import GeneratorActor, TrainerActor
+    from lockstep.runtime.plan import make_plan
+    from lockstep.runtime.run import start_ray
+
+    start_ray(make_plan(load(None, ["runtime.cpus=2"])))
+    trainer = TrainerActor.options(num_cpus=0.5).remote(builtin_dir, 0, 32.0, 1)
+    gen, fresh = (GeneratorActor.options(num_cpus=0.5).remote(builtin_dir, 0, 32.0, 1) for _ in range(2))
+    adam = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "grad_clip_norm": 1.0}
+    request = [SampleRequest((5, 6, 7), SamplingParams(max_tokens=8, temperature=1.0, stop=(), seed=3))]
+
+    def give(replica, published) -> None:
+        version, lineage, weights = published
+        ray.get(replica.set_weights.remote(ray.get(version), weights, time.time(), ray.get(lineage)))
+
+    def sample(replica) -> list:
+        (result,) = ray.get(replica.sample.remote(request))
+        return [(s.tokens, s.logprobs, s.policy_version) for s in result.sequences]
+
+    def train(tokens) -> None:
+        ray.get(trainer.train.remote([Datum.from_tokens(tokens)], "cross_entropy", adam))
+
+    try:
+        ray.get(trainer.start_fresh.remote())
+        ray.get(trainer.save_state.remote(str(tmp_path / "v0"), {}))
+        train([5, 6, 7, 8, 9, 10, 11, 12])
+        branch_a = trainer.publish.remote()
+        give(gen, branch_a)
+        discarded = sample(gen)  # the replica decodes under the first branch's version 1
+        ray.get(trainer.load_state.remote(str(tmp_path / "v0")))  # the rollback
+        give(gen, trainer.publish.remote())  # version 0 again, parked: the replica is idle
+        train([5, 6, 7, 20, 21, 22, 23, 24])
+        branch_b = trainer.publish.remote()
+        give(gen, branch_b)  # replaces the parked version 0
+        give(fresh, branch_b)
+        want = sample(fresh)
+        assert want != discarded  # the two branches' version 1 sample differently (the check can fail)
+        assert sample(gen) == want
+        s = ray.get(gen.stats.remote())
+        assert s["version"] == 1 and s["lineage"] == ray.get(branch_b[1]) != ray.get(branch_a[1])
+    finally:
+        ray.kill(gen), ray.kill(fresh), ray.kill(trainer)
 
 
 def test_two_generator_replicas_equal_one_bit_for_bit(tmp_path, warm_dir):

@@ -3,6 +3,10 @@ never change what is sampled, nor a logprob; the cache after a rejection is as i
 tokens had never been fed; a failing drafter only costs speed."""
 
 import math
+import subprocess
+import sys
+import textwrap
+import threading
 import time
 
 import pytest
@@ -176,6 +180,38 @@ def test_a_failing_drafter_degrades_to_plain_decoding(where, model_tok):
     assert fast.spec_stats.drafter_errors == 1 and fast.spec_stats.plain_fallbacks == 1
 
 
+class _OutOfVocabulary(_FixedDraft):
+    """Proposes, in turn, ids past the vocabulary, negative ids, floats and bools, and a valid
+    draft; counts the bad proposals it made."""
+
+    def __init__(self, vocab_size):
+        super().__init__(7)
+        self.bad = [[vocab_size], [vocab_size + 1000, 7], [-1], [7.0], [True], [2**70]]
+        self.calls = self.bad_made = 0
+
+    def propose(self, row, k):
+        self.calls += 1
+        turn = self.calls % (len(self.bad) + 1)
+        if turn == len(self.bad) or k == 0:
+            return super().propose(row, k)
+        self.bad_made += 1
+        return self.bad[turn]
+
+
+def test_draft_ids_outside_the_vocabulary_are_dropped_and_counted(model_tok):
+    """A drafter's id must not reach the embedding unchecked: id >= vocab size would fail the whole
+    call, a negative one index another token's row. Such a draft is dropped for that row and step
+    (counted); the outputs stay plain decoding's and valid drafts still run."""
+    model, tok = model_tok
+    reqs = _requests(tok, n_prompts=2, samples=2, max_tokens=12, stop=())
+    drafter = _OutOfVocabulary(model.config.vocab_size)
+    fast = Sampler(model, tok, drafter=drafter, draft_tokens=2)
+    assert [r.sequences for r in fast.sample(reqs)] == [r.sequences for r in Sampler(model, tok).sample(reqs)]
+    st = fast.spec_stats
+    assert drafter.bad_made > 0 and st.invalid_drafts == drafter.bad_made
+    assert st.drafted > 0 and st.drafter_errors == 0 and st.plain_fallbacks == 0
+
+
 class _Hangs(_FixedDraft):
     """Hangs (far past the sampler's timeout) on its `at`-th proposal, then answers again."""
 
@@ -207,6 +243,64 @@ def test_a_hung_drafter_is_abandoned_and_restarted(model_tok):
     assert st.drafted > drafted and st.drafter_timeouts == 1  # restarted: it drafts again
     with pytest.raises(EngineError, match="draft_timeout must be a positive number"):
         Sampler(model, tok, drafter=_FixedDraft(7), draft_timeout=0)
+
+
+class _HangsForGood(_FixedDraft):
+    """Every proposal blocks until the test releases it."""
+
+    def __init__(self):
+        super().__init__(7)
+        self.release = threading.Event()
+
+    def propose(self, row, k):
+        self.release.wait()
+        return super().propose(row, k)
+
+
+def _drafter_threads() -> set:
+    return {t for t in threading.enumerate() if t.name.startswith("drafter")}
+
+
+def test_drafts_that_hang_for_good_leave_a_bounded_number_of_threads(model_tok):
+    """Every sample() call's first draft hangs past the timeout: each call decodes plainly, and
+    however many calls time out, at most MAX_ABANDONED abandoned drafter threads run (later calls
+    are refused at once instead of starting another). Released, they end, and drafting resumes."""
+    model, tok = model_tok
+    reqs = _requests(tok, n_prompts=1, samples=2, max_tokens=6, stop=())
+    want = [r.sequences for r in Sampler(model, tok).sample(reqs)]
+    before = _drafter_threads()
+    drafter = _HangsForGood()
+    fast = Sampler(model, tok, drafter=drafter, draft_tokens=2, draft_timeout=0.05)
+    calls = 2 * spec.MAX_ABANDONED + 2
+    try:
+        for _ in range(calls):
+            assert [r.sequences for r in fast.sample(reqs)] == want
+        st = fast.spec_stats
+        assert st.drafter_timeouts == st.plain_fallbacks == calls
+        stuck = _drafter_threads() - before
+        assert len(stuck) <= spec.MAX_ABANDONED and all(t.daemon for t in stuck)
+    finally:
+        drafter.release.set()  # whatever failed, the hung calls end (and this process can exit)
+    for t in stuck:
+        t.join()
+    assert [r.sequences for r in fast.sample(reqs)] == want and st.drafted > 0  # drafting again
+    fast.close()
+    assert _drafter_threads() - before == set()
+
+
+def test_a_drafter_hung_for_good_does_not_keep_the_process_from_exiting():
+    code = textwrap.dedent("""
+        import threading
+        from lockstep.engine.speculative import DraftGuard, DrafterTimeout
+        guard = DraftGuard(0.05)
+        try:
+            guard.call(threading.Event().wait)  # never set: this call never returns
+        except DrafterTimeout:
+            print("timed out", flush=True)
+    """)
+    # The timeout only bounds a failure (the old non-daemon worker blocked exit for ever).
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == "timed out\n", r.stderr
 
 
 def test_hot_swap_with_speculation_keeps_every_logprob_exact(qwen2_dir):

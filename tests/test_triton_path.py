@@ -8,6 +8,7 @@ A micro model keeps the interpreter (numpy per program) to seconds per case."""
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lockstep.engine.device import Compute
 from lockstep.engine.sampler import Sampler
@@ -128,3 +129,116 @@ def test_every_architecture_on_the_triton_path(arch, dtype, arch_dirs):
     results = sample(trainer, prompts, max_tokens=4)
     for r, trained in zip(results, trainer_logprobs(trainer, prompts, results)):
         assert np.array_equal(np.asarray(r.sequences[0].logprobs, dtype=np.float32).view(np.uint32), trained.view(np.uint32))
+
+
+class AtomicOrder(TorchDispatchMode):
+    """Runs every scatter-add as CUDA may: `index_add` whose destinations repeat adds each
+    destination's terms in a shuffled order (seeded), as atomics land in whatever order the GPU's
+    threads reach them. Any other accumulating scatter (scatter_add, index_put with accumulate,
+    put_, scatter_reduce) with a repeated destination fails the test: it would be a new
+    nondeterministic reduction on the CUDA path, not modelled here."""
+
+    ACCUMULATING = {"aten::scatter_add", "aten::scatter_add_", "aten::scatter_reduce", "aten::scatter_reduce_",
+                    "aten::put", "aten::put_"}
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.rng = torch.Generator().manual_seed(seed)
+        self.shuffled = 0
+        """index_adds whose destinations repeated (the reductions the shuffle reorders)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        if name in ("aten::index_add", "aten::index_add_"):
+            return self._index_add(func, *args, **kwargs)
+        if name in self.ACCUMULATING or (name.startswith(("aten::index_put", "aten::_index_put_impl"))
+                                         and (args[3] if len(args) > 3 else kwargs.get("accumulate", False))):
+            assert not _repeats(name, args), f"{name} adds into a repeated destination: nondeterministic on CUDA"
+        return func(*args, **kwargs)
+
+    def _index_add(self, func, target, dim, index, source, *, alpha=1):
+        if index.unique().numel() == index.numel():  # one term per destination: any order, same bits
+            return func(target, dim, index, source, alpha=alpha)
+        self.shuffled += 1
+        out = target if func._schema.name.endswith("_") else target.clone()
+        rows, terms = out.movedim(dim, 0), (source * alpha).movedim(dim, 0)
+        for i in torch.randperm(index.numel(), generator=self.rng).tolist():
+            rows[index[i]] += terms[i]
+        return out
+
+
+def _repeats(name: str, args) -> bool:
+    """Whether an accumulating scatter writes some destination twice (scatter_add: the index's
+    full coordinates; anything else is assumed to)."""
+    if name.startswith("aten::scatter_add"):
+        target, dim, index = args[0], args[1], args[2]
+        coords = list(torch.meshgrid(*(torch.arange(n) for n in index.shape), indexing="ij"))
+        coords[dim] = index
+        flat = sum(c * stride for c, stride in zip(coords, target.stride()))
+        return flat.unique().numel() != flat.numel()
+    return True
+
+
+def group_datums(prompt: tuple[int, ...], completions: list[list[int]], seed: int) -> list[Datum]:
+    """A GRPO group: completions of one prompt, with the loss inputs of the policy-gradient losses."""
+    g = np.random.default_rng(seed)
+    out = []
+    for c in completions:
+        n = len(prompt) + len(c) - 1
+        mask = [0.0] * (len(prompt) - 1) + [1.0] * len(c)  # the completion forms GSPO's sequence ratio
+        out.append(Datum.from_tokens(list(prompt) + c, mask, sequence_ratio_mask=mask,
+                                     logprobs=-g.uniform(0.5, 3.0, n).astype(np.float32),
+                                     advantages=np.full(n, g.normal(), np.float32)))
+    return out
+
+
+def test_atomic_order_changes_the_bits_of_an_index_add_gradient():
+    """Control: under AtomicOrder, the gradient of a row copied several times (index_select's
+    backward: index_add) takes other bits for another order, as on a GPU; through copy_rows (the
+    shared prefixes' copy) it does not."""
+    from lockstep.engine.rows import copy_rows
+
+    x, rows = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)), [0, 2, 0, 0, 1, 0, 2, 0]
+    weights = torch.randn(len(rows), 64, generator=torch.Generator().manual_seed(1))
+
+    def grad(copy, seed):
+        leaf = x.clone().requires_grad_(True)
+        with AtomicOrder(seed) as mode:
+            (copy(leaf) * weights).sum().backward()
+        return leaf.grad, mode.shuffled
+
+    plain = [grad(lambda t: t.index_select(0, torch.tensor(rows)), seed) for seed in (1, 2)]
+    assert plain[0][1] == plain[1][1] == 1 and not torch.equal(plain[0][0], plain[1][0])
+    fixed = [grad(lambda t: copy_rows(t, rows), seed) for seed in (1, 2)]
+    assert fixed[0][1] == fixed[1][1] == 0 and torch.equal(fixed[0][0], fixed[1][0])
+    assert torch.equal(fixed[0][0], x.new_zeros(3, 64).index_add_(0, torch.tensor(rows), weights))  # CPU's order
+
+
+def test_a_data_parallel_step_is_one_trainer_whatever_order_the_gpus_atomics_take(micro_dir):
+    """Two micro-batches of GRPO groups (shared prompts: the trainer shares their prefixes) under
+    GSPO (per-datum sums over tokens). One trainer accumulates both under one atomic order; two
+    'ranks' compute one each under others and sum them in micro-batch order, as
+    engine/data_parallel.py does. The gradients are the same bits: no reduction on the CUDA path
+    depends on the order atomics land in."""
+    loss = "gspo"
+    from lockstep.engine.prefix import plan_prefixes
+
+    parts = [group_datums((5, 6, 7, 8, 9, 10), [[11, 12, 13], [14, 15], [16, 17, 18, 19], [20, 21]], seed=1),
+             group_datums((22, 23, 24, 25, 26), [[27, 28], [29, 30, 31], [32, 33, 34]], seed=2)]
+    assert all(plan_prefixes([d.model_input for d in part]) is not None for part in parts)  # shared prefixes
+    trainer = triton_trainer(micro_dir, "float32")
+    with AtomicOrder(seed=0):
+        for part in parts:
+            trainer.forward_backward(part, loss)
+    one = {n: p.grad.clone() for n, p in trainer.params.items()}
+    trainer.zero_grad()
+    ranks = []
+    for seed, part in ((1, parts[0]), (2, parts[1])):
+        with AtomicOrder(seed):
+            trainer.forward_backward(part, loss)
+        ranks.append({n: p.grad.clone() for n, p in trainer.params.items()})
+        trainer.zero_grad()
+    for name, g in one.items():
+        chained = ranks[0][name] + ranks[1][name]
+        assert torch.equal(chained, g), f"{name}: max |diff| {float((chained - g).abs().max()):.3g}"

@@ -23,6 +23,7 @@ caller (`init_group`).
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
@@ -68,21 +69,30 @@ class DataParallel:
     def forward_backward(self, micro_batches: Sequence[Sequence[Datum]], loss_fn: str,
                          loss_fn_config: Mapping[str, float] | None = None) -> list[ForwardBackwardOutput]:
         """Gradients of every micro-batch, summed in micro-batch order into every rank's `.grad`.
-        Returns the outputs of this rank's own micro-batches (in order)."""
+        Returns the outputs of this rank's own micro-batches (in order).
+
+        A micro-batch that fails, with any exception, fails the step on every rank at once: the
+        failing rank still takes its part in the chain, flagged, then raises its own error; the
+        others raise EngineError (the failure was a user mistake) or PeerFailed, naming the rank
+        and micro-batch. Leaving the chain instead would keep the others waiting for its sum until
+        the group's timeout (300 s). No rank applies any gradient."""
         if any(p.grad is not None for p in self.params):
             raise EngineError("data-parallel forward_backward needs cleared gradients (call optim_step or zero_grad first)")
         mine = shares(len(micro_batches), self.world)[self.rank]
-        outputs, grads, failed = [], [], ""
+        outputs, grads, failure = [], [], None
         for m in mine:
             try:
                 outputs.append(self.trainer.forward_backward(micro_batches[m], loss_fn, loss_fn_config))
-            except EngineError as e:  # still take part in the chain, or the other ranks wait forever
-                failed = failed or f"micro-batch {m}: {e}"
-            grads.append([None if p.grad is None else p.grad.detach().clone() for p in self.params])
-            self.trainer.zero_grad()
-        total, any_failed = self._chain(grads, bool(failed))
-        if any_failed:
-            raise EngineError(failed or "another replica's micro-batch failed; gradients were not applied")
+                grads.append([None if p.grad is None else p.grad.detach().clone() for p in self.params])
+            except Exception as e:  # noqa: BLE001 - re-raised below, once every rank knows
+                failure = Failure(m, self.rank, isinstance(e, EngineError), e)
+            finally:
+                self.trainer.zero_grad()
+            if failure is not None:
+                break  # the step fails: this rank's later micro-batches would be thrown away
+        total, first = self._chain(grads, failure)
+        if first is not None:
+            raise (failure or first).error(self.world)  # a rank that failed raises its own error
         for p, g in zip(self.params, total):
             p.grad = g
         return outputs
@@ -92,54 +102,95 @@ class DataParallel:
         return self.trainer.optim_step(adam)
 
     # -- the chain ----------------------------------------------------------------------------
-    def _chain(self, grads: list[list[torch.Tensor | None]], failed: bool) -> tuple[list, bool]:
-        """(the ordered sum of every rank's gradients, whether any rank failed), on every rank."""
+    def _chain(self, grads: list[list[torch.Tensor | None]], failure: "Failure | None") -> tuple[list, "Failure | None"]:
+        """(the ordered sum of every rank's gradients, the first failure of any rank), on every rank."""
         acc: list[torch.Tensor | None] = [None] * len(self.params)
         if self.rank > 0:
             acc, before = self._recv(self.rank - 1)
-            failed = failed or before
+            failure = before or failure  # an earlier rank's is the earlier micro-batch
         for g in grads:  # autograd's accumulation, in micro-batch order: None + g = g, else acc + g
             acc = [x if a is None else (a if x is None else a + x) for a, x in zip(acc, g)]
         if self.rank < self.world - 1:
-            self._send(acc, failed, self.rank + 1)
-        return self._broadcast(acc, failed, src=self.world - 1)
+            self._send(acc, failure, self.rank + 1)
+        return self._broadcast(acc, failure, src=self.world - 1)
 
-    def _pack(self, acc, failed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(presence of each gradient, with a last entry: 1 if a rank failed; the gradients, flat)."""
-        present = torch.tensor([a is not None for a in acc] + [failed], dtype=torch.uint8, device=self.device)
+    def _pack(self, acc, failure: "Failure | None") -> tuple[torch.Tensor, torch.Tensor]:
+        """(presence of each gradient, then the failure's code; the gradients, flat)."""
+        code = failure.code() if failure is not None else [0, 0, 0]
+        present = torch.tensor([a is not None for a in acc] + code, dtype=torch.int64, device=self.device)
         flat = torch.cat([(a if a is not None else torch.zeros_like(p)).reshape(-1).to(torch.float32)
                           for a, p in zip(acc, self.params)])
         return present, flat
 
-    def _unpack(self, present: torch.Tensor, flat: torch.Tensor) -> tuple[list[torch.Tensor | None], bool]:
+    def _unpack(self, present: torch.Tensor, flat: torch.Tensor) -> tuple[list[torch.Tensor | None], "Failure | None"]:
         out, offset, flags = [], 0, present.tolist()
         for p, n, has in zip(self.params, self.sizes, flags):
             out.append(flat[offset:offset + n].view_as(p).to(p.dtype).clone() if has else None)
             offset += n
-        return out, bool(flags[-1])
+        return out, Failure.decode(flags[len(self.params):])
 
     def _empty(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.zeros(len(self.params) + 1, dtype=torch.uint8, device=self.device),
+        return (torch.zeros(len(self.params) + 3, dtype=torch.int64, device=self.device),
                 torch.zeros(sum(self.sizes), dtype=torch.float32, device=self.device))
 
-    def _send(self, acc, failed: bool, dst: int) -> None:
-        present, flat = self._pack(acc, failed)
+    def _send(self, acc, failure, dst: int) -> None:
+        present, flat = self._pack(acc, failure)
         dist.send(present, dst)
         dist.send(flat, dst)
 
-    def _recv(self, src: int) -> tuple[list[torch.Tensor | None], bool]:
+    def _recv(self, src: int) -> tuple[list[torch.Tensor | None], "Failure | None"]:
         present, flat = self._empty()
         dist.recv(present, src)
         dist.recv(flat, src)
         return self._unpack(present, flat)
 
-    def _broadcast(self, acc, failed: bool, *, src: int) -> tuple[list[torch.Tensor | None], bool]:
+    def _broadcast(self, acc, failure, *, src: int) -> tuple[list[torch.Tensor | None], "Failure | None"]:
         if self.world == 1:
-            return acc, failed
-        present, flat = self._pack(acc, failed) if self.rank == src else self._empty()
+            return acc, failure
+        present, flat = self._pack(acc, failure) if self.rank == src else self._empty()
         dist.broadcast(present, src)
         dist.broadcast(flat, src)
-        return (acc, failed) if self.rank == src else self._unpack(present, flat)
+        return (acc, failure) if self.rank == src else self._unpack(present, flat)
+
+
+class PeerFailed(RuntimeError):
+    """Another rank's micro-batch failed with an internal error (that rank raised it): this step
+    failed on every rank, and no gradient was applied."""
+
+
+class PeerRefused(EngineError):
+    """Another rank's micro-batch was refused as a user mistake (that rank raised the EngineError
+    that says what): this step failed on every rank, and no gradient was applied."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The first micro-batch of a step that failed, as every rank learns it through the chain."""
+
+    micro_batch: int
+    rank: int
+    user_error: bool
+    """It raised EngineError (a user mistake, e.g. a bad datum), not an internal error."""
+    exception: BaseException | None = None
+    """The exception itself, on the rank that raised it only."""
+
+    def code(self) -> list[int]:
+        return [self.micro_batch + 1, self.rank, int(self.user_error)]
+
+    @staticmethod
+    def decode(code: list[int]) -> "Failure | None":
+        return Failure(code[0] - 1, code[1], bool(code[2])) if code[0] else None
+
+    def error(self, world: int) -> BaseException:
+        """What this rank raises: its own exception, or one that names the rank that failed."""
+        if self.exception is not None:
+            if isinstance(self.exception, EngineError):
+                return EngineError(f"micro-batch {self.micro_batch}: {self.exception}")
+            return self.exception
+        where = f"micro-batch {self.micro_batch} failed on rank {self.rank} of {world}"
+        if self.user_error:
+            return PeerRefused(f"{where} (see its error); gradients were not applied")
+        return PeerFailed(f"{where} with an internal error (raised there); gradients were not applied")
 
 
 def micro_split(data: Sequence, micro_batches: int) -> list[list]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from lockstep.engine import invariant as inv
 from lockstep.engine.device import CPU, Compute
 from lockstep.engine.invariant import KEY_BLOCK, ROW_TILE, round_up
+from lockstep.engine.rows import copy_rows
 from lockstep.engine.types import EngineError
 
 
@@ -42,15 +44,17 @@ class KVCache:
     def capacity(self) -> int:
         return self.k[0].shape[2]
 
-    def select(self, rows: torch.Tensor) -> "KVCache":
-        """A cache holding the given batch rows (prefix sharing, batch compaction), in the same layout."""
-        return KVCache([_select_rows(k, rows) for k in self.k], [v.index_select(0, rows) for v in self.v1])
+    def select(self, rows: "torch.Tensor | Sequence[int]") -> "KVCache":
+        """A cache holding the given batch rows (prefix sharing, batch compaction), in the same
+        layout. Under autograd (shared prefixes: a row copied to each datum that shares it) the
+        copies' gradients are summed in a fixed order on every device (engine/rows.py)."""
+        return KVCache([_select_rows(k, rows) for k in self.k], [copy_rows(v, rows) for v in self.v1])
 
 
-def _select_rows(keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _select_rows(keys: torch.Tensor, rows) -> torch.Tensor:
     if keys.stride(-2) == 1 and keys.stride(-1) != 1:  # stored transposed (the fused path's cache)
-        return keys.transpose(-1, -2).index_select(0, rows).transpose(-1, -2)
-    return keys.index_select(0, rows)
+        return copy_rows(keys.transpose(-1, -2), rows).transpose(-1, -2)
+    return copy_rows(keys, rows)
 
 
 def _lora_parts(module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:

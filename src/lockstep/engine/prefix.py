@@ -5,7 +5,9 @@ plain forward recomputes the prompt for each of them; here the trainer does what
 does: it runs each shared prefix once into a KV cache (with autograd), copies the cache rows to
 the datums that share it, and runs only the suffixes. Every token's hidden state is the same
 computation as in the plain forward (rows and key lengths are invariant, see invariant.py), so the
-logprobs are bit for bit the same; gradients reach the prefix through the copied cache rows.
+logprobs are bit for bit the same; gradients reach the prefix through the copied cache rows,
+summed in a fixed order on every device (engine/rows.py: not index_add_'s atomics on CUDA), so a
+micro-batch's gradient is the same bits wherever it is computed.
 
 `plan_prefixes` decides: datums are sorted, and neighbours whose common prefix is at least
 MIN_SHARED tokens form a group (each datum keeps at least one suffix token). It returns None when
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from lockstep.engine.rows import copy_rows
 
 MIN_SHARED = 4
 """Shortest prefix worth sharing (tokens)."""
@@ -99,7 +103,7 @@ def shared_prefix_logsoftmax(model, inputs: Sequence[tuple[int, ...]], plan: Pre
     empty = model.new_cache(1, capacity)  # row P: the datums with no shared prefix
     cache = KVCache([torch.cat([k, e]) for k, e in zip(cache.k, empty.k)],
                     [torch.cat([v, e]) for v, e in zip(cache.v1, empty.v1)])
-    rows = cache.select(torch.tensor(plan.owner))
+    rows = cache.select(plan.owner)  # a prefix row's gradient sums its copies in a fixed order (rows.py)
     positions = torch.tensor(plan.shared).unsqueeze(1) + torch.arange(S)
     suf_hidden = model.hidden_states(suf_tokens, positions, rows)
     hidden = torch.cat([pre_hidden.reshape(P * Tp, -1), suf_hidden.reshape(B * S, -1)])
@@ -107,4 +111,4 @@ def shared_prefix_logsoftmax(model, inputs: Sequence[tuple[int, ...]], plan: Pre
     for d, (n, o) in enumerate(zip(plan.shared, plan.owner)):
         index += range(o * Tp, o * Tp + n)
         index += range(P * Tp + d * S, P * Tp + d * S + suf_lens[d])
-    return model.log_softmax(model.logits(hidden.index_select(0, torch.tensor(index))))
+    return model.log_softmax(model.logits(copy_rows(hidden, index)))

@@ -223,6 +223,10 @@ class Sampler:
         positions = torch.tensor([len(requests[i].prompt) for i in owner])
         return _Rows(torch.arange(len(owner)), params, positions, cache.select(idx))
 
+    def close(self) -> None:
+        """Stop the drafter's worker thread (a sampler dropped without this stops it when collected)."""
+        self.draft_guard.close()
+
     def speculation_stats(self) -> dict:
         """SpecStats' counters, and a learning drafter's own (draft version, the policy version it
         learned from, its training steps)."""
@@ -297,6 +301,13 @@ class Sampler:
         log.warning("the drafter failed (%d so far); this call decodes without speculation: %s", st.drafter_errors,
                     error, exc_info=not isinstance(error, spec.DrafterTimeout))
 
+    def _refused_drafts(self, count: int) -> None:
+        st = self.spec_stats
+        if not st.invalid_drafts:  # once per sampler: a broken drafter would otherwise log every step
+            log.warning("the drafter proposed token ids outside the vocabulary [0, %d): such drafts are dropped "
+                        "(counted in invalid_drafts)", self.vocab_size)
+        st.invalid_drafts += count
+
     def _drafts(self, link: "spec.DraftLink", rows: _Rows, alive, tape: _Tape, width: int):
         """(drafts (R, k), lengths (R,), link): each live row's proposal, up to `width` tokens and
         what it may still emit; drafts None when no row has any (then this step is a plain one),
@@ -305,10 +316,12 @@ class Sampler:
         ids = rows.ids.tolist()
         budgets = (tape.max_new[rows.ids] - tape.n_out[rows.ids]).clamp(min=0) * alive
         try:
-            drafts, lengths = link.draft(ids, budgets.tolist(), width)
+            drafts, lengths, refused = link.draft(ids, budgets.tolist(), width, self.vocab_size)
         except Exception as e:  # noqa: BLE001
             self._drafter_failed(e)
             return None, None, None
+        if refused:
+            self._refused_drafts(refused)
         self.spec_stats.draft_seconds += time.perf_counter() - started
         width = int(lengths.max()) if lengths.numel() else 0
         if width == 0:

@@ -18,6 +18,10 @@ looks past a query's own position, so they were invisible anyway).
 from __future__ import annotations
 
 import concurrent.futures
+import operator
+import queue
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +46,8 @@ class SpecStats:
     """Decode steps that `auto` ran without drafts (speculation did not pay)."""
     drafter_timeouts: int = 0
     """Drafter calls abandoned past the sampler's draft timeout (also counted in drafter_errors)."""
+    invalid_drafts: int = 0
+    """Row drafts refused because they held something other than token ids in [0, vocab size)."""
 
     @property
     def acceptance(self) -> float:
@@ -53,20 +59,45 @@ class SpecStats:
         return self.accepted / self.row_verifies if self.row_verifies else 0.0
 
 
-def draft_block(session, rows: list[int], budgets: list[int], k: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(drafts (R, k), lengths (R,)): each row's proposal, at most its budget, padded with `pad`."""
+def draft_block(session, rows: list[int], budgets: list[int], k: int, pad: int,
+                vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(drafts (R, k), lengths (R,), refused): each row's proposal, at most its budget, padded with
+    `pad`. A proposal holding anything but token ids in [0, vocab_size) is refused whole (the row
+    drafts nothing this step) and counted in `refused`: fed to the verify forward, an id past the
+    vocabulary would index outside the embedding and fail the whole call, a negative one would
+    wrap around to another token's row."""
     out = torch.full((len(rows), k), pad, dtype=torch.long)
     lengths = torch.zeros(len(rows), dtype=torch.long)
     if hasattr(session, "draft"):  # a batched drafter (a model): every row in one call
         proposals = session.draft(rows, budgets, k)
     else:
         proposals = [session.propose(r, min(k, budget)) for r, budget in zip(rows, budgets)]
+    refused = 0
     for i, (d, budget) in enumerate(zip(proposals, budgets)):
-        d = list(d)[: min(k, budget)]
-        if d:
-            out[i, : len(d)] = torch.tensor(d, dtype=torch.long)
-            lengths[i] = len(d)
-    return out, lengths
+        ids = token_ids(list(d)[: min(k, budget)], vocab_size)
+        if ids is None:
+            refused += 1
+        elif ids:
+            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            lengths[i] = len(ids)
+    return out, lengths, refused
+
+
+def token_ids(draft: list, vocab_size: int) -> list[int] | None:
+    """The draft as ints, or None if any entry is not an integer id in [0, vocab_size) (a bool or a
+    float is a drafter's bug, not an id)."""
+    ids = []
+    for t in draft:
+        if isinstance(t, bool):
+            return None
+        try:
+            t = operator.index(t)  # ints, NumPy and 0-d torch integers; never a float
+        except TypeError:
+            return None
+        if not 0 <= t < vocab_size:
+            return None
+        ids.append(t)
+    return ids
 
 
 def rollback(cache, positions_R: torch.Tensor, fed_until_R: torch.Tensor) -> None:
@@ -152,30 +183,94 @@ class DrafterTimeout(EngineError):
     pass
 
 
+MAX_ABANDONED = 4
+"""Drafter calls abandoned past their timeout that may still be running in this process, all guards
+together (a service builds a sampler, so a guard, per sample call): past it every guard refuses
+drafter calls at once until one of them returns, so a drafter hung for good costs at most this many
+threads, however many calls time out on it."""
+
+_abandoned: list[threading.Thread] = []
+_abandoned_lock = threading.Lock()
+
+
+def abandoned_threads() -> list[threading.Thread]:
+    """The worker threads abandoned past a timeout whose call is still running."""
+    with _abandoned_lock:
+        _abandoned[:] = [t for t in _abandoned if t.is_alive()]
+        return list(_abandoned)
+
+
 class DraftGuard:
     """Runs drafter calls with a deadline: in a worker thread that the sampler waits on for at most
-    `timeout_s`. A call past it raises DrafterTimeout and its thread is abandoned (Python cannot
-    stop a thread; a hung drafter keeps at most that one daemon thread); the next call gets a fresh
-    worker, so the drafter is restarted rather than waited on. timeout_s None: calls run inline."""
+    `timeout_s`. A call past it raises DrafterTimeout and its worker is abandoned (Python cannot
+    stop a thread; it ends when the call returns); the next call gets a fresh worker, so the
+    drafter is restarted rather than waited on. Workers are daemon threads, so a drafter hung for
+    good never holds up the process's exit, and at most MAX_ABANDONED abandoned ones run at once
+    (past that, calls raise DrafterTimeout at once and the sampler decodes plainly). timeout_s
+    None: calls run inline."""
 
     def __init__(self, timeout_s: float | None):
         if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise EngineError(f"draft_timeout must be a positive number of seconds or None, got {timeout_s!r}")
         self.timeout_s = timeout_s
-        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._worker: _Worker | None = None
 
     def call(self, fn):
         if self.timeout_s is None:
             return fn()
         if self._worker is None:
-            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drafter")
+            running = len(abandoned_threads())
+            if running >= MAX_ABANDONED:
+                raise DrafterTimeout(f"{running} drafter calls are still running past their timeout; drafting "
+                                     "resumes once one of them returns")
+            self._worker = _Worker()
         future = self._worker.submit(_in_inference_mode, fn)
         try:
             return future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
-            self._worker.shutdown(wait=False, cancel_futures=True)
+            with _abandoned_lock:
+                _abandoned.append(self._worker.stop())
             self._worker = None
             raise DrafterTimeout(f"the drafter did not answer within {self.timeout_s} s") from None
+
+    def close(self) -> None:
+        """Stop the current worker and join it (it is idle between calls, so this returns at once)."""
+        if self._worker is not None:
+            self._worker.stop().join()
+            self._worker = None
+
+
+class _Worker:
+    """One daemon thread running submitted calls in order. Written here rather than using a
+    ThreadPoolExecutor: the executor's threads are not daemons and its exit hook joins them, so a
+    drafter call that never returns would keep the process from ever exiting."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=_serve, args=(self._jobs,), name="drafter", daemon=True)
+        self.thread.start()
+        weakref.finalize(self, self._jobs.put, None)  # a dropped guard's idle worker ends too
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def stop(self) -> threading.Thread:
+        """Let the thread end after the call it is running (if any); returns the thread."""
+        self._jobs.put(None)
+        return self.thread
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while (job := jobs.get()) is not None:
+        future, fn, args = job
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                future.set_exception(e)
+        del job, future, fn, args  # hold nothing of a finished call while waiting for the next
 
 
 def _in_inference_mode(fn):
@@ -201,10 +296,11 @@ class DraftLink:
             for row, run in zip(rows, runs):
                 self.session.append(row, run)
 
-    def draft(self, rows: list[int], budgets: list[int], k: int, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, rows: list[int], budgets: list[int], k: int, vocab_size: int,
+              pad: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
         def go():
             self._flush()
-            return draft_block(self.session, rows, budgets, k, pad)
+            return draft_block(self.session, rows, budgets, k, pad, vocab_size)
 
         return self.guard.call(go)
 

@@ -22,7 +22,7 @@ from typing import Mapping
 
 import torch
 
-from lockstep.losses.types import LossInputs, metric_mean
+from lockstep.losses.types import LossInputs, metric_mean, segment_sum
 
 CONFIG_KEYS: Mapping[str, float] = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 """Allowed config keys and their defaults."""
@@ -37,11 +37,10 @@ def sequence_log_ratios(inputs: LossInputs) -> torch.Tensor:
     Accumulated in at least float32 so long sequences in low precision keep their sum.
     """
     acc = torch.promote_types(inputs.logprobs_T.dtype, torch.float32)
-    device = inputs.logprobs_T.device
     mask_T = inputs.mask_T.to(acc)
     diff_T = (inputs.logprobs_T.detach() - inputs.sampler_logprobs_T).to(acc)
-    num_S = torch.zeros(inputs.num_segments, dtype=acc, device=device).index_add_(0, inputs.segment_T, mask_T * diff_T)
-    den_S = torch.zeros(inputs.num_segments, dtype=acc, device=device).index_add_(0, inputs.segment_T, mask_T)
+    num_S = segment_sum(mask_T * diff_T, inputs.segment_T, inputs.num_segments)
+    den_S = segment_sum(mask_T, inputs.segment_T, inputs.num_segments)
     empty_S = den_S == 0
     return torch.where(empty_S, torch.zeros_like(num_S), num_S / torch.where(empty_S, torch.ones_like(den_S), den_S))
 

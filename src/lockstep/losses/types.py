@@ -146,6 +146,25 @@ def is_metric_key(key: str) -> bool:
     return bool(_METRIC_KEY_RE.match(key))
 
 
+def segment_sum(x_T: torch.Tensor, segment_T: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """Per-segment sums of x_T, shape (num_segments,), in one fixed order on every device: each
+    segment's terms go into a row of a zero-padded (segments, longest segment) table, summed row
+    by row. Not index_add_, which on CUDA adds with atomics in no fixed order, so the same batch
+    could give other bits from one run to the next (and a data-parallel step other bits than one
+    trainer)."""
+    if x_T.numel() == 0:
+        return x_T.new_zeros(num_segments)
+    segment_T = segment_T.to(x_T.device)
+    order_T = torch.argsort(segment_T, stable=True)  # each segment's tokens together, in token order
+    sorted_T = segment_T[order_T]
+    counts_S = torch.bincount(segment_T, minlength=num_segments)  # integer counts: exact on any device
+    starts_S = torch.cumsum(counts_S, 0) - counts_S
+    column_T = torch.arange(len(sorted_T), device=x_T.device) - starts_S[sorted_T]
+    table = x_T.new_zeros(num_segments, int(counts_S.max()))
+    table[sorted_T, column_T] = x_T[order_T]  # every (segment, column) written once
+    return table.sum(1)
+
+
 def metric_mean(x_T: torch.Tensor) -> float:
     """Mean as a Python float; 0.0 for an empty batch (rather than NaN)."""
     return float(x_T.detach().float().mean().item()) if x_T.numel() else 0.0

@@ -93,6 +93,9 @@ class TrainerActor:
         self.incarnation = uuid.uuid4().hex
         self.state_lost = _reconstructed()
         """True after a restart until load_state or start_fresh: the base weights are not the run's."""
+        self.lineage = uuid.uuid4().hex
+        """The branch of training these weights are on: new at every start_fresh and load_state, so
+        after a rollback a version number met again names other weights (see publish)."""
         self.micro, self.helpers, self.dp = micro_batches, [], None
         if replicas > 1 or micro_batches > 1:
             self._start_replicas(replicas, replica_cpus, replica_gpus,
@@ -124,6 +127,7 @@ class TrainerActor:
     def start_fresh(self) -> None:
         """The run starts from the base model: the weights this incarnation loaded are the ones."""
         self.state_lost = False
+        self.lineage = uuid.uuid4().hex
 
     def train(self, data, loss: str, adam: dict, loss_config: dict | None = None,
               sampled_from: list[int] | None = None) -> dict:
@@ -152,27 +156,29 @@ class TrainerActor:
 
         parts = micro_split(data, self.micro)
         refs = [h.step.remote(parts, loss, loss_config, adam) for h in self.helpers]
+        mine: list | Exception
         try:
             mine = [(o.metrics, o.loss_fn_outputs) for o in self.dp.forward_backward(parts, loss, loss_config)]
-        finally:
-            try:
-                theirs = [r for ref in refs for r in ray.get(ref)]  # never leave a replica's call behind
-            except ray.exceptions.RayActorError:
-                # A replica is gone, and with it the process group: this trainer cannot step again.
-                # Ending this process makes Ray restart it (with new replicas), which the controller
-                # sees as a lost trainer and answers by rolling back to the last checkpoint.
-                warnings.warn("a trainer replica died; restarting the trainer and its replicas")
-                os._exit(70)
-        done = mine + theirs  # contiguous shares in rank order: micro-batch order
+        except Exception as e:  # noqa: BLE001 - raised below, once every replica's call is back
+            mine = e
+        outcomes = [mine, *_replica_outcomes(refs)]  # never leave a replica's call behind
+        failed = [o for o in outcomes if isinstance(o, Exception)]
+        if failed:  # every rank failed the step: raise the error of the rank where it failed
+            from lockstep.engine.data_parallel import PeerFailed, PeerRefused
+
+            raise next((e for e in failed if not isinstance(e, (PeerFailed, PeerRefused))), failed[0])
+        done = [part for o in outcomes for part in o]  # contiguous shares in rank order: micro-batch order
         weights = [float(sum((d.loss_fn_inputs["weights"] > 0).sum() for d in part)) for part in parts]
         metrics = merge_metrics([(m, w) for (m, _), w in zip(done, weights)])
         return metrics, [o for _, outs in done for o in outs]
 
-    @ray.method(num_returns=2)
-    def publish(self) -> tuple[int, dict[str, np.ndarray]]:
-        """(version, weights); returned through the object store, so readers map it zero-copy."""
+    @ray.method(num_returns=3)
+    def publish(self) -> tuple[int, str, dict[str, np.ndarray]]:
+        """(version, lineage, weights); returned through the object store, so readers map it
+        zero-copy. A version alone does not name the weights: a rollback to a checkpoint trains
+        the same versions again, so a replica compares (version, lineage)."""
         self._require_state()
-        return self.trainer.step, self.trainer.weights_numpy()
+        return self.trainer.step, self.lineage, self.trainer.weights_numpy()
 
     def save_state(self, path: str, data_position) -> str:
         self._require_state()
@@ -183,6 +189,7 @@ class TrainerActor:
         self.trainer.load_state(path)
         ray.get([h.load_state.remote(path) for h in self.helpers])  # every replica holds the same state
         self.state_lost = False
+        self.lineage = uuid.uuid4().hex
         return self.trainer.data_position
 
     def export(self, path: str) -> str:
@@ -232,6 +239,23 @@ class TrainerReplica:
         _set_threads(n)
 
 
+def _replica_outcomes(refs) -> list:
+    """Each replica's step() result, or the exception it raised, in rank order."""
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref))
+        except ray.exceptions.RayActorError:
+            # A replica is gone, and with it the process group: this trainer cannot step again.
+            # Ending this process makes Ray restart it (with new replicas), which the controller
+            # sees as a lost trainer and answers by rolling back to the last checkpoint.
+            warnings.warn("a trainer replica died; restarting the trainer and its replicas")
+            os._exit(70)
+        except ray.exceptions.RayTaskError as e:  # as raised, an instance of the replica's own error too
+            out.append(e)
+    return out
+
+
 def _free_port() -> int:
     import socket
 
@@ -279,13 +303,17 @@ class GeneratorActor:
         self.incarnation = uuid.uuid4().hex
         self.weights_lost = _reconstructed()
         """True after a restart until set_weights: the base weights are not the policy's."""
+        self.lineage: str | None = None
+        """The trainer's branch (TrainerActor.lineage) of the weights in use; None: the base model
+        as loaded, of no branch yet."""
 
     @ray.method(concurrency_group="weights")
-    def set_weights(self, version: int, weights: dict, published_at: float) -> None:
+    def set_weights(self, version: int, weights: dict, published_at: float, lineage: str | None) -> None:
         """Park weights for the next decode step. The controller orders its calls, so the last
-        call is always the newest weights (after a rollback to a checkpoint, a lower version)."""
+        call is always the newest weights (after a rollback to a checkpoint, a lower version, or
+        the same version again on the new branch: `lineage` tells them apart)."""
         with self._cond:
-            self._pending = (version, weights, published_at)
+            self._pending = (version, lineage, weights, published_at)
             self.weights_lost = False
             self._cond.notify_all()
 
@@ -295,15 +323,17 @@ class GeneratorActor:
         with self._cond:
             pending, self._pending = self._pending, None
             self._cond.notify_all()
-        if pending is None or pending[0] == self.sampler.policy_version:
+        # The version alone is not enough: parked weights overwritten while idle (v0 after a
+        # rollback, then v1 of the new branch) would meet the discarded branch's v1 in use.
+        if pending is None or pending[:2] == (self.sampler.policy_version, self.lineage):
             return False
-        version, weights, published_at = pending
+        version, lineage, weights, published_at = pending
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only shared-memory arrays: we never write to them
             for name, p in self.params.items():  # on a GPU replica, one host-to-device copy
                 w = torch.from_numpy(weights[name])
                 p.data = w if p.device.type == "cpu" else w.to(p.device)
-        self.sampler.policy_version = version
+        self.sampler.policy_version, self.lineage = version, lineage
         self.swap_latency_s.append(time.time() - published_at)
         return True
 
@@ -390,7 +420,8 @@ class GeneratorActor:
     @ray.method(concurrency_group="weights")
     def stats(self) -> dict:
         lat, stalls = self.swap_latency_s, self.stalls_s
-        return {"version": self.sampler.policy_version, "busy_s": self.busy_s, "incarnation": self.incarnation,
+        return {"version": self.sampler.policy_version, "lineage": self.lineage, "busy_s": self.busy_s,
+                "incarnation": self.incarnation,
                 "swap_latency_s_max": max(lat) if lat else 0.0, "swap_latency_s_last": lat[-1] if lat else 0.0,
                 "swaps": len(lat), "stalls": len(stalls), "stall_s_max": max(stalls) if stalls else 0.0,
                 "stall_s_sum": sum(stalls), "requests": self.requests, "sampling": self._sampling, "held": self._held,

@@ -60,6 +60,9 @@ class Components:
     envs: list
     timeout: float
     version: int = 0
+    lineage: str | None = None
+    """The trainer's branch of the published weights (TrainerActor.publish): with `version`, what
+    names them (a rollback publishes the same versions again on a new branch)."""
     weights_ref: object = None
     threads: tuple[int, int] = (1, 1)
     """(trainer, generator fleet) torch threads, re-applied to a restarted actor; the fleet's
@@ -104,12 +107,13 @@ class Components:
         with `background` (an asynchronous stage) rolled out replica by replica while the loop
         goes on; otherwise parked on every replica before this returns."""
         with Timed(self.spans, "publish", "weights") as span:
-            version_ref, weights_ref = self.trainer.publish.remote()
-            self.version = wait(version_ref, self.timeout, "trainer.publish")
+            version_ref, lineage_ref, weights_ref = self.trainer.publish.remote()
+            self.version, self.lineage = wait([version_ref, lineage_ref], self.timeout, "trainer.publish")
             self.weights_ref = weights_ref
             # Parking the weights is instant; waiting for it orders it before the next sample call
             # (the weights group runs beside sampling), which keeps max_staleness=0 truly on-policy.
-            self._tell_fleet(lambda: self.fleet.publish(self.version, weights_ref, background=background))
+            self._tell_fleet(lambda: self.fleet.publish(self.version, self.lineage, weights_ref,
+                                                        background=background))
             span.args["version"] = self.version
         if self.fleet.stalls:  # rollout.weight_sync = "pause": how long each held the whole fleet
             self.stats["weights/fleet_pauses"] = len(self.fleet.stalls)
@@ -201,7 +205,7 @@ class Components:
                 s = wait(ref, self.timeout, "generator.stats")
                 admitted = not self.compare_forwards({replica_name(index): s})
                 if admitted and self.weights_ref is not None:
-                    wait(actor.set_weights.remote(self.version, self.weights_ref, time.time()), self.timeout,
+                    wait(actor.set_weights.remote(self.version, self.weights_ref, time.time(), self.lineage), self.timeout,
                          "generator.set_weights")
             except ComponentError as e:  # it failed to start (its error is in the message)
                 ray.kill(actor)
@@ -353,7 +357,7 @@ class Components:
                 g = self.actors()[name]
                 wait(g.set_threads.remote(self.replica_threads()), self.timeout, f"{name}.set_threads")
                 if self.weights_ref is not None:
-                    wait(g.set_weights.remote(self.version, self.weights_ref, time.time()), self.timeout,
+                    wait(g.set_weights.remote(self.version, self.weights_ref, time.time(), self.lineage), self.timeout,
                          f"{name}.set_weights")
 
     def _settle_quietly(self) -> None:

@@ -141,17 +141,18 @@ class GeneratorFleet:
         return [r for r in self.replicas if r is not None]
 
     # -- weights -----------------------------------------------------------------------------
-    def publish(self, version: int, weights_ref, *, background: bool) -> None:
-        """Give every live replica `version`. `background` (an asynchronous stage) rolls it out
-        replica by replica while this returns; otherwise every replica has it parked on return."""
+    def publish(self, version: int, lineage: str, weights_ref, *, background: bool) -> None:
+        """Give every live replica `version` of the trainer's branch `lineage`. `background` (an
+        asynchronous stage) rolls it out replica by replica while this returns; otherwise every
+        replica has it parked on return."""
         self.settle()
-        live = list(self.router.live)
+        live, named = list(self.router.live), (version, lineage)
         if self.sync == "pause" and len(live) > 1:
-            self._pause_and_swap(live, version, weights_ref)
+            self._pause_and_swap(live, named, weights_ref)
         elif background and len(live) > 1:
-            self._roll = self._roller.submit(self._roll_out, live, version, weights_ref)
+            self._roll = self._roller.submit(self._roll_out, live, named, weights_ref)
         else:
-            self._park(live, version, weights_ref)
+            self._park(live, named, weights_ref)
 
     def settle(self) -> None:
         """Wait for a rolling update in progress; its non-loss errors surface here."""
@@ -159,16 +160,18 @@ class GeneratorFleet:
         if roll is not None:
             roll.result()
 
-    def _park(self, live: list[int], version: int, weights_ref) -> None:
+    def _park(self, live: list[int], named: tuple[int, str], weights_ref) -> None:
+        version, lineage = named
         now = time.time()
-        wait([self.replicas[i].set_weights.remote(version, weights_ref, now) for i in live], self.timeout,
+        wait([self.replicas[i].set_weights.remote(version, weights_ref, now, lineage) for i in live], self.timeout,
              "generator.set_weights")
 
-    def _roll_out(self, live: list[int], version: int, weights_ref) -> None:
+    def _roll_out(self, live: list[int], named: tuple[int, str], weights_ref) -> None:
         """One replica at a time: park, then wait until it decodes with them (or is idle)."""
+        version, lineage = named
         for i in live:
             try:
-                wait(self.replicas[i].set_weights.remote(version, weights_ref, time.time()), self.timeout,
+                wait(self.replicas[i].set_weights.remote(version, weights_ref, time.time(), lineage), self.timeout,
                      f"{replica_name(i)}.set_weights")
                 wait(self.replicas[i].until_swapped.remote(self.timeout), self.timeout + 5,
                      f"{replica_name(i)}.until_swapped")
@@ -178,14 +181,14 @@ class GeneratorFleet:
                 # lost: the loop notices through its rollouts, and recover() gives the replica's
                 # next incarnation the last published weights
 
-    def _pause_and_swap(self, live: list[int], version: int, weights_ref) -> None:
+    def _pause_and_swap(self, live: list[int], named: tuple[int, str], weights_ref) -> None:
         """The fleet-wide pause: hold every replica at a step boundary, swap, release them all."""
         held = [self.replicas[i] for i in live]
         wait([r.hold.remote() for r in held], self.timeout, "generator.hold")
         t = time.perf_counter()
         try:
             wait([r.until_held.remote(self.timeout) for r in held], self.timeout + 5, "generator.until_held")
-            self._park(live, version, weights_ref)
+            self._park(live, named, weights_ref)
         finally:
             wait([r.release.remote() for r in held], self.timeout, "generator.release")
             self.stalls.append(time.perf_counter() - t)

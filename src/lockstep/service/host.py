@@ -251,6 +251,9 @@ class EngineHost:
                                                   prompt_logprobs=bool(body.get("prompt_logprobs")))])
         except EngineError as e:
             raise HostError(str(e)) from None
+        finally:
+            if speculation is not None:  # this call's own sampler: its drafter thread ends with it
+                sampler.close()
         seqs = [(s.tokens, s.logprobs, s.stop_reason) for s in res.sequences]
         tokens = sum(len(s.tokens) for s in res.sequences)
         return wire.encode_sample_response(seqs, res.prompt_logprobs), tokens

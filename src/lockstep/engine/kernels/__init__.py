@@ -2,8 +2,9 @@
 pure-PyTorch path with a warning.
 
 `python -m lockstep.engine.kernels` compiles the sources through torch's C++ extension machinery
-into `_build/<tag>/` next to this file; the tag hashes the sources, the compile flags and the torch
-version, so an edited source or another torch is never served a stale build. Loading never
+into `_build/<tag>/` next to this file; the tag hashes the sources, the compile flags, the torch
+version and the CPU (model and instruction-set flags), so an edited source, another torch or a CPU
+without an instruction the build uses is never served a stale build. Loading never
 compiles (a first forward must not wait a minute for g++, once per Ray worker): a missing build
 means the fallback.
 
@@ -39,24 +40,41 @@ _tried = False
 
 
 def tag() -> str:
-    """Which build serves this source, these flags, this torch and this CPU."""
+    """Which build serves this source, these compile flags, this torch and this CPU (model and ISA flags)."""
     h = hashlib.sha256()
     for path in SOURCES + HEADERS:
         h.update(path.read_bytes())
     h.update(" ".join(CFLAGS + LDFLAGS).encode())
     h.update(torch.__version__.encode())
-    h.update(_cpu_model().encode())
+    h.update(_cpu_identity().encode())
     return h.hexdigest()[:16]
 
 
-def _cpu_model() -> str:
+CPU_KEYS = ("vendor_id", "cpu family", "model", "model name", "flags",
+            "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features")
+"""The /proc/cpuinfo fields that decide what -march=native emits: the model (x86's name, family and
+model; ARM's implementer and part) and the instruction sets (x86's flags, ARM's Features). Two hosts
+that share a model name can differ in flags (a VM that masks AVX-512, another microcode): a build
+for one would die with SIGILL on the other, so both are hashed."""
+
+
+def _cpu_identity() -> str:
+    """The CPU_KEYS lines of the first processor, or "unknown" when /proc/cpuinfo is unreadable."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        text = _read_cpuinfo()
     except OSError:
-        pass
-    return "unknown"
+        return "unknown"
+    first = text.split("\n\n", 1)[0]
+    fields = {}
+    for line in first.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in CPU_KEYS:
+            fields[key.strip()] = value.strip()
+    return "\n".join(f"{k}: {fields[k]}" for k in CPU_KEYS if k in fields) or "unknown"
+
+
+def _read_cpuinfo() -> str:
+    return Path("/proc/cpuinfo").read_text()
 
 
 DIR_ENV = "LOCKSTEP_KERNELS_DIR"
