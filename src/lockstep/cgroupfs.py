@@ -47,3 +47,24 @@ def own_paths() -> dict[str, str]:
         for c in controllers.split(",") if controllers else [""]:
             out[c] = path
     return out
+
+
+def procs(directory: Path) -> list[int]:
+    """The processes in a cgroup directory ([] once it is gone)."""
+    try:
+        return [int(p) for p in (directory / "cgroup.procs").read_text().split()]
+    except OSError:
+        return []
+
+
+def oom_kills(memory_dir: Path, v2: bool) -> int:
+    """Processes the kernel OOM-killed in a cgroup so far (memory.events on v2, memory.oom_control
+    on v1's memory hierarchy); 0 once it is gone."""
+    try:
+        for line in (memory_dir / ("memory.events" if v2 else "memory.oom_control")).read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0

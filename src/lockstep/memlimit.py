@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from lockstep.cgroupfs import mounts, own_paths
+from lockstep.cgroupfs import mounts, oom_kills, own_paths, procs
 
 log = logging.getLogger("lockstep.memlimit")
 
@@ -166,18 +166,10 @@ class _Cgroup:
             raise
 
     def pids(self) -> list[int]:
-        try:
-            return [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
-        except FileNotFoundError:
-            return []
+        return procs(self.path)
 
     def oom_kills(self) -> int:
-        name = "memory.events" if self.kind == "cgroup2" else "memory.oom_control"
-        try:
-            fields = dict(line.split() for line in (self.path / name).read_text().splitlines() if line.strip())
-        except FileNotFoundError:
-            return 0
-        return int(fields.get("oom_kill", 0))
+        return oom_kills(self.path, self.kind == "cgroup2")
 
     def peak(self) -> int | None:
         """Bytes at its highest so far (memory.peak needs Linux 5.19 on v2)."""

@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lockstep import cgroupfs
 from lockstep.cgroupfs import mounts, own_paths
 from lockstep.sandbox.types import Limits, SandboxError
 
@@ -363,16 +364,7 @@ class SandboxCgroup:
 
     def oom_kills(self) -> int:
         """Processes the kernel OOM-killed in this cgroup so far."""
-        m = self.dirs["memory"]
-        name = "memory.events" if self.host.version == 2 else "memory.oom_control"
-        try:
-            for line in (m / name).read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
-        except (OSError, ValueError):
-            pass
-        return 0
+        return cgroupfs.oom_kills(self.dirs["memory"], self.host.version == 2)
 
     @property
     def can_freeze(self) -> bool:
@@ -392,13 +384,7 @@ class SandboxCgroup:
             self.frozen = False
 
     def procs(self) -> list[int]:
-        out: set[int] = set()
-        for d in self._unique:
-            try:
-                out.update(int(p) for p in _read(d / "cgroup.procs").split())
-            except OSError:
-                pass
-        return sorted(out)
+        return sorted({pid for d in self._unique for pid in cgroupfs.procs(d)})
 
     def remove(self) -> None:
         """Kill whatever is left in the cgroup, wait for it to be gone, remove the directories."""
