@@ -96,6 +96,7 @@ def tight(tmp_path_factory):
     srv.stop()
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_models_evicted_from_memory_continue_bit_for_bit(tight, builtin_dir):
     """Two models trained in turn on a host that holds one: each is dropped and rebuilt (durable
     state + replay) at every switch, and ends exactly where an uninterrupted run does."""
