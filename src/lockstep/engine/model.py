@@ -313,16 +313,20 @@ class InvariantLM:
                 return None
             adapters, implicit = AdapterAssignment((peft,), (0,) * batch), True
         else:
-            if peft is not None:
-                raise EngineError("this model carries its own LoRA adapter (peft); per-row adapters need a bare base")
             for a in adapters.adapters:
-                if a not in self._checked:
-                    check_adapter(a, self.projection_shapes(), device=torch.device(self.compute.device),
-                                  what="adapter")
-                    self._checked.add(a)
+                self.check_adapter(a)
             implicit = False
         return RowLora(adapters, batch, length, device=self.compute.device, num_layers=len(self._plan),
                        implicit=implicit)
+
+    def check_adapter(self, adapter: AdapterWeights, what: str = "adapter") -> None:
+        """EngineError unless the adapter fits this base (checked once per adapter object)."""
+        if adapter in self._checked if isinstance(adapter, AdapterWeights) else False:
+            return
+        if self._lora_modules:
+            raise EngineError("this model carries its own LoRA adapter (peft); per-row adapters need a bare base")
+        check_adapter(adapter, self.projection_shapes(), device=torch.device(self.compute.device), what=what)
+        self._checked.add(adapter)
 
     def projection_shapes(self) -> dict[tuple[int, str], tuple[int, int]]:
         """(layer, target) -> (in, out) of every projection an adapter may target (dense layers)."""

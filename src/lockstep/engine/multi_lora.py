@@ -221,9 +221,13 @@ def check_adapter(adapter: AdapterWeights, shapes: dict[tuple[int, str], tuple[i
             raise EngineError(f"{what} ({adapter.name!r}): {key} factors {tuple(a.shape)}, {tuple(b.shape)} do not fit "
                               f"a {fan_in} -> {fan_out} projection (A (rank, {fan_in}), B ({fan_out}, rank), "
                               f"1 <= rank <= {min(fan_in, fan_out)})")
-        if a.dtype != torch.float32 or b.dtype != torch.float32 or a.device != device or b.device != device:
+        if a.dtype != torch.float32 or b.dtype != torch.float32 or not (_on(a, device) and _on(b, device)):
             raise EngineError(f"{what} ({adapter.name!r}): {key} factors must be float32 on {device}")
         if not a.is_contiguous() or not b.is_contiguous():
             raise EngineError(f"{what} ({adapter.name!r}): {key} factors must be contiguous")
         if isinstance(f.scaling, bool) or not isinstance(f.scaling, (int, float)):
             raise EngineError(f"{what} ({adapter.name!r}): {key} scaling must be a number")
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
