@@ -16,15 +16,15 @@ with one group), however many models share the pass and in what order:
   token's logprob is its alone value; each group's logprobs come out of one split (its gradient
   is a concatenation, never a sum with another group's).
 * Loss. Each group's loss runs on its own datums (its own normalisation, segments, config); the
-  backward runs once on the sum of the finite losses. A group whose loss is not finite fails alone
-  (its gradients are not touched, as alone); so does a group whose datums or loss are refused,
-  before any compute.
+  backward runs once on the sum of the finite losses, into those groups' adapters only. A group
+  whose loss is refused or not finite fails alone (its gradients are not touched, as alone); so
+  does a group whose datums are refused, before any compute.
 * Gradients. Only adapter factors carry gradients (the base is frozen); each adapter's come from
   its own rows, one term per forward it takes part in, as alone. A model may appear in one group
   per call (a second would sum its two gradients in another order than two calls do).
 
-Returns one result per group, in order: its ForwardBackwardOutput, or the EngineError it failed
-with.
+Returns one result per group, in order: its ForwardBackwardOutput, or the error it failed with (a
+ValueError: EngineError, or the loss's LossError).
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ class _Group:
     plan: PrefixPlan | None
 
 
-def packed_forward(base, groups: Sequence[TrainGroup]) -> list[ForwardBackwardOutput | EngineError]:
+def packed_forward(base, groups: Sequence[TrainGroup]) -> list[ForwardBackwardOutput | ValueError]:
     """Logprobs, losses and metrics of every group, without touching gradients."""
     with torch.no_grad(), base.model.compute.scope():
         return _run(base, groups, backward=False)
 
 
-def packed_forward_backward(base, groups: Sequence[TrainGroup]) -> list[ForwardBackwardOutput | EngineError]:
+def packed_forward_backward(base, groups: Sequence[TrainGroup]) -> list[ForwardBackwardOutput | ValueError]:
     """Accumulate each model's adapter gradients of its own sum of elementwise losses."""
     with torch.enable_grad(), base.model.compute.scope():
         return _run(base, groups, backward=True)
@@ -72,7 +72,11 @@ def _run(base, groups: Sequence[TrainGroup], *, backward: bool) -> list:
     total = None
     done = []
     for g in accepted:
-        elementwise, metrics = loss_of(g.batch, lp_of[g.index], g.spec.loss_fn, g.spec.loss_fn_config)
+        try:  # a loss that refuses its config or inputs fails its group alone, before any backward
+            elementwise, metrics = loss_of(g.batch, lp_of[g.index], g.spec.loss_fn, g.spec.loss_fn_config)
+        except ValueError as e:
+            results[g.index] = e
+            continue
         loss = elementwise.sum()
         entropy_T = entropy_of[g.index]
         if "weights" in g.batch.floats:
@@ -80,12 +84,15 @@ def _run(base, groups: Sequence[TrainGroup], *, backward: bool) -> list:
         if entropy_T.numel():
             metrics = {**metrics, "entropy:mean": float(entropy_T.mean())}
         if backward and not torch.isfinite(loss):
-            results[g.index] = EngineError(f"loss is {float(loss)}; gradients were not applied")
+            results[g.index] = EngineError(f"loss is {float(loss.detach())}; gradients were not applied")
             continue
         done.append((g, elementwise, metrics, loss))
         total = loss if total is None else total + loss
     if backward and total is not None:
-        total.backward()
+        # Only the models whose loss went through: a group that failed after the forward (its loss
+        # refused, or not finite) keeps its gradients untouched, as alone (its rows would add zeros).
+        leaves = [t for g, *_ in done for f in g.spec.model.adapter.factors.values() for t in (f.a, f.b)]
+        total.backward(inputs=leaves)
     for g, elementwise, metrics, loss in done:
         results[g.index] = outputs_of(g.batch, lp_of[g.index], elementwise, metrics, loss.detach())
     return results
@@ -107,7 +114,7 @@ def _accept(base, groups, backward: bool, results: list) -> tuple[list[_Group], 
                 raise EngineError(f"group {i}: its model already has group {seen[id(model)]} in this call; "
                                   "pack one group per model")
             batch = checked_batch(spec.data, base.vocab_size, spec.loss_fn, spec.loss_fn_config)
-        except EngineError as e:
+        except ValueError as e:  # EngineError, or the loss registry's LossError (an unknown loss)
             results[i] = e
             continue
         slot = -1
