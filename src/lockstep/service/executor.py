@@ -4,15 +4,20 @@ request costs no Ray call (BENCHMARKS.md §8).
 
 This module is the claim loop; the Executor's other roles are their own units:
 
+    packing.py    which queued requests run together (a batch), fairly between tenants
     liveness.py   exits with the supervisor, renews the lease, requeues expired claims
     handlers.py   what each request kind does on the EngineHost (host.py) -> an Outcome
     recovery.py   rebuilds a model the host does not hold (durable state + replay)
     commit.py     an Outcome or an error -> the request's row, one request per transaction
 
+A request flows: claim (packing.Packer: a batch formed from the store's heads, claimed in one
+compare-and-set) -> handlers (each member readied, then the batch run by the host in one call) ->
+commit (each member alone).
+
 Failing small. Whatever goes wrong while one request is handled (executing it, the store update
 that goes with its result, its usage rows, finishing it, ringing the API) fails that request, with
 a message, and nothing else; a failure of the claim loop itself (the store unreachable) is logged,
-backed off and retried, and the request in hand goes back to the queue. A failed training request
+backed off and retried, and the requests in hand go back to the queue. A failed training request
 has no effect on its model: it advances the model's order like any finished request, and an
 executor that may have applied part of it drops the model from memory, which recovery then rebuilds
 without it. Requests a dead executor had claimed go back to the queue, at most `max_attempts`
@@ -36,6 +41,8 @@ from lockstep.service.db import connect
 from lockstep.service.handlers import Handlers
 from lockstep.service.host import EngineHost
 from lockstep.service.liveness import Liveness
+from lockstep.service.packing import Claim, Packer
+from lockstep.service.policy import Policy, from_env
 from lockstep.service.recovery import Recovery
 from lockstep.service.storage import Storage
 from lockstep.service.types import UsageKind, WorkerConfig
@@ -47,9 +54,11 @@ class RequestExecutor:
     """The Ray actor (`Executor`) that runs queued requests on its in-process EngineHost."""
 
     BATCH = 16
+    """Batches run per step (so stop() is seen under load)."""
     MAX_BACKOFF_S = 10.0
 
-    def __init__(self, config: WorkerConfig, worker_id: str, supervisor_pid: int):
+    def __init__(self, config: WorkerConfig, worker_id: str, supervisor_pid: int, policy: Policy | None = None):
+        """policy: the operator's (its tenants' batch weights); None: $LOCKSTEP_POLICY's."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.config, self.id = config, worker_id
         _, self.sessions = connect(config.db_url)
@@ -65,6 +74,10 @@ class RequestExecutor:
         self.commit = CommitProtocol(self.sessions, self.id, self.host, self.sock,
                                      doorbell.AddressBook(self.sessions, "api"))
         self.liveness = Liveness(self.sessions, self.id, self.sock, config.max_attempts)
+        policy = policy if policy is not None else from_env()
+        # At most what the host holds at once: readying a member must not evict another.
+        self.packer = Packer(config.max_batch_tokens, lambda tenant: policy.for_tenant(tenant).batch_weight,
+                             max_members=min(config.max_models, config.max_sessions))
         with self.sessions() as s:
             doorbell.register(s, "worker", self.id, self.sock)
             # Non-zero only after Ray restarted this actor: what the dead one held.
@@ -72,7 +85,7 @@ class RequestExecutor:
         if requeued:
             log.warning("restarted: requeued %d requests this executor had claimed", requeued)
         self._stop = False
-        self._in_hand: queue.Claimed | None = None
+        self._in_hand: tuple[queue.Claimed, ...] = ()
         self.liveness.watch(supervisor_pid)
 
     def ready(self) -> bool:
@@ -106,17 +119,18 @@ class RequestExecutor:
             time.sleep(min(0.2, end - time.monotonic()))
 
     def _release_in_hand(self) -> None:
-        """After a failure outside a request's own handling: the request in hand (if any) goes back
-        to the queue (it counts as an attempt) and its model, maybe part-changed, is dropped."""
-        req, self._in_hand = self._in_hand, None
-        if req is None:
+        """After a failure outside a request's own handling: the requests in hand not yet settled go
+        back to the queue (it counts as an attempt) and their models, maybe part-changed, are dropped."""
+        held, self._in_hand = self._in_hand, ()
+        if not held:
             return
-        self.commit.forget(req)
+        for req in held:
+            self.commit.forget(req)
         try:
             with self.sessions() as s:
                 queue.requeue_abandoned(s, self.id, self.config.max_attempts)
-        except Exception as e:  # noqa: BLE001 - still unreachable: the lease sweep or a restart requeues it
-            log.warning("could not requeue request %s yet: %s", req.id, e)
+        except Exception as e:  # noqa: BLE001 - still unreachable: the lease sweep or a restart requeues them
+            log.warning("could not requeue requests %s yet: %s", [r.id for r in held], e)
 
     def _idle(self) -> None:
         ready, _, _ = select_mod.select([self.sock], [], [], self.config.idle_poll_s)
@@ -128,28 +142,32 @@ class RequestExecutor:
                 pass
 
     def step(self) -> bool:
-        """Claim and run what is runnable now (up to a batch, so stop() is seen under load); False
-        when there was nothing."""
+        """Claim and run what is runnable now (up to BATCH batches); False when there was nothing."""
         for n in range(self.BATCH):
             with self.sessions() as s:
-                req = queue.claim_next(s, self.id)
-            if req is None:
+                claim = self.packer.claim(s, self.id)
+            if claim is None:
                 return n > 0
-            self._in_hand = req
-            self.run(req)
-            self._in_hand = None
+            self._in_hand = claim.members
+            self.run(claim)
+            self._in_hand = ()
         return True
 
-    def run(self, req: queue.Claimed) -> None:
-        """Execute, commit, ring: a failure at any point fails this request and nothing else."""
+    def run(self, claim: Claim) -> None:
+        """Execute a batch, then commit and ring each member alone: a failure at any point fails
+        that member and nothing else."""
         t = time.perf_counter()
         try:
-            out = self.handlers.execute(req)
+            results = self.handlers.execute_batch(claim.members)
         except Exception as e:  # noqa: BLE001 - report, never crash the executor
-            self.commit.failed(req, e)
-            return
-        out.usage[UsageKind.COMPUTE_SECONDS] = time.perf_counter() - t
-        self.commit.settle(req, out)
+            results = [e] * len(claim.members)
+        seconds = self.packer.charge(claim, time.perf_counter() - t)
+        for req, out in zip(claim.members, results):
+            if isinstance(out, Exception):
+                self.commit.failed(req, out)
+            else:
+                out.usage[UsageKind.COMPUTE_SECONDS] = seconds[req.id]
+                self.commit.settle(req, out)
 
 
 # Decorated here, not on the class: Ray then pickles the class by reference (its module is

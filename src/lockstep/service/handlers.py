@@ -4,21 +4,26 @@ for what the request asked wrongly; it trusts nothing in the store (rows may hav
 behind the API's back).
 
 A model the host does not hold is rebuilt first (recovery.py), except by the requests that make it.
+
+A packed batch (packing.py) is readied member by member (its model rebuilt, its sampling session
+opened), then run by the host in one call (`EngineHost.run_batch`); a member that cannot be readied
+or run fails alone, and the others get their results (`execute_batch`).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from sqlalchemy import bindparam, select
 
 from lockstep.service import janitor, queue
 from lockstep.service.db import BaseModelEntry, Checkpoint, Model, SamplingSession, now
-from lockstep.service.outcome import Outcome, UserError
+from lockstep.service.outcome import Outcome, UserError, attempt
+from lockstep.service.packing import PACKED_KINDS
 from lockstep.service.storage import unique_key
-from lockstep.service.types import RequestKind, UsageKind, WorkerConfig
+from lockstep.service.types import BatchMember, RequestKind, UsageKind, WorkerConfig
 
 # Core, built once: it runs on every training request (see queue.py).
 _MODEL = select(Model.__table__).where(Model.__table__.c.id == bindparam("mid"))
@@ -68,18 +73,54 @@ class Handlers:
             self.base_paths[name] = entry.path
         return self.base_paths[name]
 
+    def execute_batch(self, members: Sequence[queue.Claimed]) -> list[Outcome | Exception]:
+        """Run a claimed batch: one Outcome, or the exception that failed it, per member. A kind
+        that runs alone comes as a batch of one."""
+        kind = members[0].kind
+        assert all(m.kind == kind for m in members) and (kind in PACKED_KINDS or len(members) == 1)
+        if kind not in PACKED_KINDS:
+            return [attempt(self.execute, members[0])]
+        ready = [attempt(self._ready, m) for m in members]
+        runs = [i for i, r in enumerate(ready) if isinstance(r, BatchMember)]
+        ran = self.host.run_batch(kind, [ready[i] for i in runs])
+        out: list = list(ready)
+        for i, r in zip(runs, ran):
+            out[i] = r if isinstance(r, Exception) else _packed_outcome(kind, *r)
+        return out
+
     def execute(self, req: queue.Claimed) -> Outcome:
+        if req.kind in PACKED_KINDS:
+            [out] = self.execute_batch([req])
+            if isinstance(out, Exception):
+                raise out
+            return out
         kind = RequestKind(req.kind)
-        if kind is RequestKind.SAMPLE:
-            return self._sample(req)
+        model, base_path = self._model(req)
+        if kind not in (RequestKind.CREATE_MODEL, RequestKind.LOAD_WEIGHTS) or req.seq_id != 0:
+            self.ensure_model(model, base_path)
+        return HANDLERS[kind](self, req, model, base_path)
+
+    def _model(self, req: queue.Claimed):
         with self.sessions() as s:
             model = s.execute(_MODEL, {"mid": req.model_id}).first()
             if model is None:  # the API checks it exists; only a row deleted behind its back lacks one
                 raise UserError(f"unknown model_id {req.model_id!r}")
-            base_path = self.base_path(s, model.base_model)
-        if kind not in (RequestKind.CREATE_MODEL, RequestKind.LOAD_WEIGHTS) or req.seq_id != 0:
-            self.ensure_model(model, base_path)
-        return HANDLERS[kind](self, req, model, base_path)
+            return model, self.base_path(s, model.base_model)
+
+    def _ready(self, req: queue.Claimed) -> BatchMember:
+        """A packed request's model rebuilt (or its sampling session opened), before the batch runs."""
+        if req.kind == RequestKind.SAMPLE.value:
+            with self.sessions() as s:
+                ss = s.get(SamplingSession, req.sampling_session_id)
+                if ss is None:  # the API checks it exists; only a row deleted behind its back (expired) lacks one
+                    raise UserError(f"unknown sampling_session_id {req.sampling_session_id!r}")
+                base_path = self.base_path(s, ss.base_model)
+            if not self.host.has_session(ss.id):
+                self.host.open_session(ss.id, base_path, ss.lora_config, ss.weights_path)
+            return BatchMember(ss.id, payload_json(req))
+        model, base_path = self._model(req)
+        self.ensure_model(model, base_path)
+        return BatchMember(model.id, req.payload)
 
     # -- training requests -----------------------------------------------------------------------
     def _create_model(self, req, model, base_path) -> Outcome:
@@ -92,13 +133,6 @@ class Handlers:
         if self.config.persist_every:  # the model's durable state must not depend on a checkpoint its owner may delete
             self._persist(req, model, out)
         return out
-
-    def _forward_backward(self, req, model, base_path, forward_only: bool = False) -> Outcome:
-        body, tokens = self.host.forward_backward(model.id, req.payload, forward_only)
-        return Outcome(body, "proto", {} if forward_only else {UsageKind.TOKENS_TRAINED: tokens})
-
-    def _forward(self, req, model, base_path) -> Outcome:
-        return self._forward_backward(req, model, base_path, forward_only=True)
 
     def _optim_step(self, req, model, base_path) -> Outcome:
         adam = payload_json(req).get("adam_params")
@@ -187,30 +221,22 @@ class Handlers:
         return Outcome(json.dumps({"sampling_session_id": ssid, "type": "save_weights_for_sampler"}).encode(),
                        update=update, on_abort=lambda: self._delete_unreferenced(key))
 
-    # -- sampling --------------------------------------------------------------------------------
-    def _sample(self, req) -> Outcome:
-        with self.sessions() as s:
-            ss = s.get(SamplingSession, req.sampling_session_id)
-            if ss is None:  # the API checks it exists; only a row deleted behind its back (expired) lacks one
-                raise UserError(f"unknown sampling_session_id {req.sampling_session_id!r}")
-            base_path = self.base_path(s, ss.base_model)
-        if not self.host.has_session(ss.id):
-            self.host.open_session(ss.id, base_path, ss.lora_config, ss.weights_path)
-        body, tokens = self.host.sample(ss.id, payload_json(req))
-        return Outcome(body, "proto", {UsageKind.TOKENS_SAMPLED: tokens})
+
+def _packed_outcome(kind: str, body: bytes, tokens: int) -> Outcome:
+    usage = {RequestKind.FORWARD_BACKWARD.value: {UsageKind.TOKENS_TRAINED: tokens},
+             RequestKind.SAMPLE.value: {UsageKind.TOKENS_SAMPLED: tokens}}.get(kind, {})
+    return Outcome(body, "proto", usage)
 
 
 HANDLERS: dict[RequestKind, Callable[..., Outcome]] = {
     RequestKind.CREATE_MODEL: Handlers._create_model,
     RequestKind.LOAD_WEIGHTS: Handlers._load_weights,
-    RequestKind.FORWARD_BACKWARD: Handlers._forward_backward,
-    RequestKind.FORWARD: Handlers._forward,
     RequestKind.OPTIM_STEP: Handlers._optim_step,
     RequestKind.SAVE_WEIGHTS: Handlers._save_weights,
     RequestKind.SAVE_WEIGHTS_FOR_SAMPLER: Handlers._save_weights_for_sampler,
 }
-"""Training request kind -> handler (sampling requests, which have no model, go to _sample)."""
-assert set(HANDLERS) == set(RequestKind) - {RequestKind.SAMPLE}
+"""Kind -> handler of the kinds that run alone (the packed kinds go through execute_batch)."""
+assert set(HANDLERS) == {k for k in RequestKind if k.value not in PACKED_KINDS}
 
 
 # -- effects on a model, replayed when it is rebuilt (recovery.py) ---------------------------------

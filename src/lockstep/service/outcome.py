@@ -27,3 +27,11 @@ class Outcome:
     """Storage clean-up once the result is committed (an old state, a replaced save)."""
     on_abort: Callable[[], None] | None = None
     """Storage clean-up when the result is not committed (what this request wrote)."""
+
+
+def attempt(fn, *args):
+    """fn(*args), or the exception it raised: in a batch, one member's failure is its own result."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - recorded against that member alone (commit.py)
+        return e
