@@ -75,9 +75,12 @@ _HEADS_UNION = union_all(
     .where(_R.c.state == _QUEUED, _R.c.kind == RequestKind.SAMPLE.value)).subquery()
 _HEADS_RANKED = select(_HEADS_UNION, func.row_number().over(partition_by=_HEADS_UNION.c.tenant_id,
                                                             order_by=_HEADS_UNION.c.order).label("rank")).subquery()
-_HEADS = (select(_HEADS_RANKED.c.id, _T.c.name.label("tenant"), _HEADS_RANKED.c.kind, _HEADS_RANKED.c.base,
-                 _HEADS_RANKED.c.num_tokens, _HEADS_RANKED.c.order, _HEADS_RANKED.c.model_id)
-          .join(_T, _T.c.id == _HEADS_RANKED.c.tenant_id)
+# An outer join: a row whose tenant is gone (written behind the API's back) is still claimed, and
+# fails alone at its commit; its tenant id stands for the name it no longer has.
+_HEADS = (select(_HEADS_RANKED.c.id, func.coalesce(_T.c.name, _HEADS_RANKED.c.tenant_id).label("tenant"),
+                 _HEADS_RANKED.c.kind, _HEADS_RANKED.c.base, _HEADS_RANKED.c.num_tokens, _HEADS_RANKED.c.order,
+                 _HEADS_RANKED.c.model_id)
+          .outerjoin(_T, _T.c.id == _HEADS_RANKED.c.tenant_id)
           .where(_HEADS_RANKED.c.rank <= bindparam("per_tenant")).order_by(_HEADS_RANKED.c.order))
 _CLAIMED = (_R.c.id, _R.c.tenant_id, _R.c.kind, _R.c.model_id, _R.c.seq_id, _R.c.sampling_session_id, _R.c.payload,
             _R.c.attempts)
