@@ -22,6 +22,8 @@ import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
+from lockstep.service.outcome import attempt
+
 log = logging.getLogger("lockstep.host")
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -136,10 +138,14 @@ class EngineHost:
         return self.fetched.fetch(key)
 
     def forward_backward(self, model_id: str, body: bytes, forward_only: bool) -> tuple[bytes, int]:
+        from lockstep.service import wire
+
+        return self._forward_backward(model_id, wire.decode_forward_backward(body), forward_only)
+
+    def _forward_backward(self, model_id: str, fb, forward_only: bool) -> tuple[bytes, int]:
         from lockstep.engine.types import Datum, EngineError
         from lockstep.service import wire
 
-        fb = wire.decode_forward_backward(body)
         data = [Datum(d.model_input, d.loss_fn_inputs) for d in fb.data]
         trainer = self._trainer(model_id)
         try:
@@ -176,6 +182,47 @@ class EngineHost:
             else:
                 _save_weights(trainer, path)
             return self.storage.put_dir(path, key)
+
+    # -- packed batches --------------------------------------------------------------------------
+    def run_batch(self, kind: str, members) -> list:
+        """Run a batch of one kind ("forward", "forward_backward" or "sample"; service/packing.py),
+        each member on its own model or sampling session (BatchMember), which the caller has
+        readied. One result per member, in order: (result body, tokens), or the exception that
+        failed that member alone. Every member is checked before any runs, so a bad one (a token
+        id out of its model's vocabulary, a loss input missing, a session gone) touches nothing.
+
+        The members run one after another until the engine's packed forward lands; that call
+        replaces `_run_checked` here and nowhere else."""
+        checked = [attempt(self._check, kind, m) for m in members]
+        return [c if isinstance(c, Exception) else attempt(self._run_checked, kind, m.key, c)
+                for m, c in zip(members, checked)]
+
+    def _check(self, kind: str, member):
+        """What a member runs with, checked against the model it runs on (the stored payload is
+        trusted no more than the API's input)."""
+        from lockstep.config.types import LOSS_INPUTS
+        from lockstep.service import wire
+
+        if kind == "sample":
+            if member.key not in self.sessions:
+                raise HostError(f"sampling session {member.key} is not open")
+            trainer, _, _ = self._skeleton(*self.sessions[member.key][:2])
+            wire.check_tokens(wire.tokens_from_model_input(member.payload["prompt"], "prompt"), trainer.vocab_size,
+                              "prompt")
+            return member.payload
+        fb = wire.decode_forward_backward(member.payload)
+        if fb.loss_fn not in LOSS_INPUTS:
+            raise HostError(f"unknown loss_fn {fb.loss_fn!r}; choose one of {', '.join(LOSS_INPUTS)}")
+        vocab = self._trainer(member.key).vocab_size
+        for i, d in enumerate(fb.data):
+            wire.check_datum(i, d.model_input, d.loss_fn_inputs, vocab)
+        wire.check_loss_inputs(fb)
+        return fb
+
+    def _run_checked(self, kind: str, key: str, checked) -> tuple[bytes, int]:
+        if kind == "sample":
+            return self.sample(key, checked)
+        return self._forward_backward(key, checked, kind == "forward")
 
     # -- sampling --------------------------------------------------------------------------------
     def _skeleton(self, base_path: str, lora: dict | None) -> tuple:

@@ -178,6 +178,8 @@ WORKER_OPTIONS = (  # (flag, WorkerConfig field, type, help): shared by `lockste
     ("--max-attempts", "max_attempts", int, "executor crashes a request may cause before it is failed"),
     ("--max-models", "max_models", int, "trainers kept in memory (least recently used rebuilt on demand)"),
     ("--max-samplers", "max_sessions", int, "sampling sessions' weights kept in memory"),
+    ("--max-batch-tokens", "max_batch_tokens", lambda v: _at_least(v, 1, 1 << 30), "token budget of one packed batch of requests (tenants share it "
+                                                    "by their policy batch_weight)"),
     ("--fetch-cache-mb", "fetch_cache_bytes", int, "local cache of downloaded saved states, in MiB"),
     ("--janitor-every", "janitor_every_s", float, "seconds between deletions of expired checkpoints"),
     ("--session-ttl", "session_ttl_s", float, "seconds after a session's last heartbeat its sampler snapshots "
