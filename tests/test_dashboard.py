@@ -92,14 +92,31 @@ def test_new_records_stream_to_a_page_within_two_seconds(served):
 
 
 def wait_for(pred, what, timeout=180):
-    """pred()'s first true value, polled every 0.2 s."""
+    """pred()'s first true value, polled every 0.2 s. A page that redraws itself (every list and
+    panel does, every 2 s) may replace an element between finding it and using it: such a try
+    counts as not yet, and the next poll finds the new element."""
+    from selenium.common.exceptions import ElementNotInteractableException, StaleElementReferenceException
+
     end = time.time() + timeout
     while time.time() < end:
-        value = pred()
+        try:
+            value = pred()
+        except (StaleElementReferenceException, ElementNotInteractableException):
+            value = None
         if value:
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def click(driver, css: str) -> bool:
+    """Click the element `css` finds (for wait_for: False while it is missing, being redrawn or not
+    yet interactable)."""
+    found = driver.find_elements("css selector", css)
+    if not found:
+        return False
+    found[0].click()
+    return True
 
 
 def _browser():

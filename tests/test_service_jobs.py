@@ -289,7 +289,7 @@ def test_a_jobs_page_updates_live_in_a_browser_and_stays_its_tenants(service, tm
     """/ui: alice signs in with her key, finds her running job and opens its page; the reward curve
     grows as steps arrive, the pipeline panel ends equal to the job's metrics.jsonl, the console
     stays clean; bob, signed in with his key, cannot see the job, by the list or by its URL."""
-    from test_dashboard import _browser, wait_for
+    from test_dashboard import _browser, click, wait_for
 
     job_id = submit(service, "alice", "rl.steps=12", "rl.prompts_per_step=2", name="watched")
     driver = _browser()
@@ -297,8 +297,7 @@ def test_a_jobs_page_updates_live_in_a_browser_and_stays_its_tenants(service, tm
         driver.get(f"{service.url}/ui")
         driver.find_element("id", "key").send_keys(service.keys["alice"])
         driver.find_element("css selector", "#signin button").click()
-        row = wait_for(lambda: driver.find_elements("id", f"job-{job_id}"), "the job in alice's list")
-        row[0].find_element("tag name", "a").click()
+        wait_for(lambda: click(driver, f"#job-{job_id} a"), "the job's link in alice's list")
 
         def points():
             return driver.execute_script(

@@ -186,9 +186,7 @@ def test_stats_give_the_callers_latency_percentiles_and_nothing_of_others(tmp_pa
 
 
 def test_the_service_page_shows_the_callers_share_in_a_browser(tmp_path):
-    import time
-
-    from test_dashboard import _browser
+    from test_dashboard import _browser, wait_for
 
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
     _, sessions = connect(url)
@@ -199,23 +197,28 @@ def test_the_service_page_shows_the_callers_share_in_a_browser(tmp_path):
         s.commit()
     port, server = serve_in_thread(create_app(ServiceConfig(db_url=url, storage_url=str(tmp_path / "s"))))
     driver = _browser()
+    expected = ["sample", "100", "50", "90", "99", "5", "9", "9.900"]
+
+    def cells():  # the panel redraws itself: read it whole, again until it shows what the store holds
+        return [td.text for td in driver.find_elements("css selector", "#latency-sample td")]
+
+    def service_rows():
+        return {tr.find_element("tag name", "th").text: tr.find_element("tag name", "td").text
+                for tr in driver.find_elements("css selector", "#service tr")}
+
     try:
         driver.get(f"http://127.0.0.1:{port}/ui")
         driver.find_element("id", "key").send_keys("wrong key")
         driver.find_element("css selector", "#signin button").click()
-        deadline = time.time() + 20
-        while "unknown API key" not in driver.find_element("id", "error").text and time.time() < deadline:
-            time.sleep(0.1)
-        assert "unknown API key" in driver.find_element("id", "error").text
+        wait_for(lambda: "unknown API key" in driver.find_element("id", "error").text, "the wrong key refused")
         driver.find_element("id", "key").clear()
         driver.find_element("id", "key").send_keys(key)
         driver.find_element("css selector", "#signin button").click()
-        while not driver.find_elements("id", "latency-sample") and time.time() < deadline:
-            time.sleep(0.1)
-        cells = [td.text for td in driver.find_elements("css selector", "#latency-sample td")]
-        assert cells == ["sample", "100", "50", "90", "99", "5", "9", "9.900"], cells
-        rows = {tr.find_element("tag name", "th").text: tr.find_element("tag name", "td").text
-                for tr in driver.find_elements("css selector", "#service tr")}
+        try:
+            wait_for(lambda: cells() == expected, "the caller's latency row", timeout=60)
+        except AssertionError:
+            raise AssertionError(f"the latency row shows {cells()}, not {expected}") from None
+        rows = wait_for(lambda: (r := service_rows()).get("workers live") and r, "the service panel", timeout=60)
         assert rows["workers live"] == "1" and rows["requests queued"] == "0"
         assert "alice" in driver.find_element("id", "tenant").text
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and "401" not in e["message"]

@@ -538,25 +538,42 @@ def _cmd_logs(args) -> int:
         return 0
     url = _job_url(base, args.job, "/events")
     try:
-        with httpx.stream("GET", url, headers=headers, params={"follow": str(args.follow).lower()}, timeout=None) as r:
+        return _follow_events(url, headers, follow=args.follow, as_json=args.json)
+    except httpx.HTTPError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def _follow_events(url: str, headers: dict, *, follow: bool, as_json: bool) -> int:
+    """Print a job's events until its stream ends; a stream the server ended as idle (no event for
+    its event_stream_idle_s) is reopened after the last event id seen. Keep-alive comments are
+    skipped like any line that is not a field we read."""
+    import httpx
+
+    after = 0
+    while True:
+        with httpx.stream("GET", url, headers=headers, params={"follow": str(follow).lower(), "after": after},
+                          timeout=None) as r:
             if r.status_code >= 400:
                 r.read()
                 raise SystemExit(f"error: {r.status_code}: {r.json().get('error', r.text)}")
             kind = None
             for line in r.iter_lines():
-                if line.startswith("event: "):
+                if line.startswith("id: "):
+                    after = int(line[4:])
+                elif line.startswith("event: "):
                     kind = line[7:]
                 elif line.startswith("data: "):
                     data = json.loads(line[6:])
                     if kind == "end":
                         print(f"job ended: {data['state']}")
-                        return 0 if data["state"] == "succeeded" or not args.follow else 1
-                    line = json.dumps(data) if args.json else _format_event(kind, data)
-                    if line:
-                        print(line, flush=True)
-    except httpx.HTTPError as e:
-        raise SystemExit(f"error: {e}") from None
-    return 0
+                        return 0 if data["state"] == "succeeded" or not follow else 1
+                    if kind == "idle":
+                        break  # reconnect from `after`
+                    shown = json.dumps(data) if as_json else _format_event(kind, data)
+                    if shown:
+                        print(shown, flush=True)
+            else:
+                return 0  # closed without an end: a server that does not send one
 
 
 def _client_args(p) -> None:

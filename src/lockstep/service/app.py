@@ -1,5 +1,5 @@
 """The API process: assembles the FastAPI app from the routers, with the body-size limit, the
-error mapping and the doorbell.
+security headers, the error mapping, the doorbell and the job events' notifier.
 
 It holds no ML state and never imports torch: requests become rows in the store and results are
 read back from it. Every error a user can cause maps to a 4xx with a message; anything else is a
@@ -18,11 +18,14 @@ from urllib.parse import unquote_to_bytes
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 
 from lockstep.service import doorbell
 from lockstep.service.db import connect
 from lockstep.service.deps import ServiceConfig, db, error_body, tenant_of, validation_message
+from lockstep.service.notifier import JobNotifier, StreamSlots
+from lockstep.service.policy import Policy
 from lockstep.service.prometheus import HttpMetrics, Metrics
 from lockstep.service.storage import Storage
 from lockstep.service.types import NotFound, ServiceError, Unauthorized
@@ -97,13 +100,51 @@ class PrintableTarget:
         return await self.app(scope, receive, send)
 
 
+API_CSP = "default-src 'none'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+"""The API's answers (JSON, artifacts, errors) are never pages: nothing in them loads or runs, and
+nothing frames them."""
+DOCS_CSP = ("default-src 'none'; script-src 'unsafe-inline' https://cdn.jsdelivr.net; style-src 'unsafe-inline' "
+            "https://cdn.jsdelivr.net https://fonts.googleapis.com; font-src https://fonts.gstatic.com; img-src 'self' "
+            "data: https://fastapi.tiangolo.com https://cdn.redoc.ly; connect-src 'self'; worker-src blob:; "
+            "frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
+"""FastAPI's /docs and /redoc: its template (no tenant data in it) loads Swagger UI / ReDoc from
+its CDN and starts them with an inline script."""
+
+
+class SecurityHeaders:
+    """ASGI middleware: every answer gets `X-Content-Type-Options: nosniff` and `X-Frame-Options:
+    DENY`, and a Content-Security-Policy unless it set its own (the /ui pages do, ui.py)."""
+
+    OWN = {"/docs": DOCS_CSP, "/docs/oauth2-redirect": DOCS_CSP, "/redoc": DOCS_CSP}
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        csp = self.OWN.get(scope["path"], API_CSP)
+
+        async def with_headers(message):
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                headers.setdefault("content-security-policy", csp)
+                headers["x-frame-options"] = "DENY"
+                headers["x-content-type-options"] = "nosniff"
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
 def create_app(config: ServiceConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.transport = await doorbell.listen(app.state.sock, app.state.waiters)
         with sessions() as s:
             doorbell.register(s, "api", app.state.instance, app.state.sock)
+        await app.state.notifier.start()
         yield
+        await app.state.notifier.stop()
         app.state.transport.close()
 
     app = FastAPI(title="lockstep", docs_url="/docs", openapi_url="/openapi.json", lifespan=lifespan)
@@ -115,6 +156,9 @@ def create_app(config: ServiceConfig) -> FastAPI:
     app.state.sock = doorbell.bind()
     app.state.workers = doorbell.AddressBook(sessions, "worker")
     app.state.auth_cache = {}
+    poll_s = (config.policy or Policy()).limits.event_poll_s
+    app.state.notifier = JobNotifier(sessions, every_s=poll_s)  # job event streams (jobs_api.py)
+    app.state.event_slots = StreamSlots()
 
     @app.exception_handler(ServiceError)
     async def _service_error(_req, e: ServiceError):
@@ -157,5 +201,6 @@ def create_app(config: ServiceConfig) -> FastAPI:
         app.state.metrics.name_routes(router, prefix)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(PrintableTarget)
+    app.add_middleware(SecurityHeaders)
     app.add_middleware(HttpMetrics, metrics=app.state.metrics)  # outermost: it counts every answer
     return app

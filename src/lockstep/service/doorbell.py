@@ -80,6 +80,10 @@ class Waiters:
         for ev in self._events.get(request_id, ()):
             ev.set()
 
+    def __contains__(self, key: str) -> bool:
+        """Whether anything waits for `key`."""
+        return key in self._events
+
 
 class _Protocol(asyncio.DatagramProtocol):
     def __init__(self, waiters: Waiters):

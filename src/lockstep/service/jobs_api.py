@@ -13,7 +13,9 @@ import json
 import re
 import sys
 import tarfile
+import time
 import uuid
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -28,7 +30,7 @@ from lockstep.service.deps import db, tenant_of
 from lockstep.service.datasets import limits_of
 from lockstep.service.db import Dataset, Job, JobEvent, Tenant, Usage, now
 from lockstep.service.jobstate import move
-from lockstep.service.policy import Limits, check_spec, final_model_key, resolve
+from lockstep.service.policy import Limits, Policy, check_spec, final_model_key, resolve
 from lockstep.service.types import JobState, NotFound, Priority, QuotaExceeded, ServiceError, UsageKind
 
 router = APIRouter()
@@ -163,40 +165,102 @@ def cancel_job(job_id: str, request: Request, t: Tenant = TENANT) -> dict:
         raise ServiceError(f"job {job.id} changed state too often to cancel; try again", status=409)
 
 
-def _events(request: Request, job_id: str, after: int) -> tuple[list[JobEvent], str]:
+PAGE = 500
+"""Events one read of a stream takes from the store."""
+KEEPALIVE = ": keep-alive\n\n"
+"""An SSE comment: clients ignore it; it shows the connection is alive, and fails on a dead one."""
+
+
+def _sse(kind: str, data: dict, event_id: int | None = None) -> str:
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+
+def _events(request: Request, job_id: str, after: int) -> tuple[str, list[tuple[int, str]]]:
+    """The job's state, then its next events as SSE text. The state first: a job ended before the
+    events are read, so they include its last ones."""
     with db(request) as s:
-        rows = list(s.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > after)
-                              .order_by(JobEvent.id).limit(500)))
-        return rows, s.get(Job, job_id).state
+        state = s.scalar(select(Job.state).where(Job.id == job_id))
+        rows = s.execute(select(JobEvent.id, JobEvent.kind, JobEvent.data).where(
+            JobEvent.job_id == job_id, JobEvent.id > after).order_by(JobEvent.id).limit(PAGE)).all()
+    return state, [(i, _sse(kind, data, i)) for i, kind, data in rows]
+
+
+class HeldStream(StreamingResponse):
+    """A streaming response that gives its stream slot back when it ends, however it ends (done,
+    the client gone, an error)."""
+
+    def __init__(self, content, release, **kw):
+        super().__init__(content, **kw)
+        self._release = release
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+def process_limits(request: Request) -> Limits:
+    """The policy's top level: the API process's own settings (GLOBAL_ONLY)."""
+    return (request.app.state.config.policy or Policy()).limits
 
 
 @router.get("/jobs/{job_id}/events")
 async def job_events(job_id: str, request: Request, after: int = Query(0, ge=0, le=MAX_ID), follow: bool = True,
                      t: Tenant = TENANT):
     """Server-sent events: each metrics record and state change, in order; with `follow`, the
-    stream stays open until the job ends (resume with ?after=<last id>)."""
+    stream stays open until the job ends (an SSE comment every `event_keepalive_s` while quiet), or
+    until no event came for `event_stream_idle_s`: then an `idle` event, and the client
+    reconnects with ?after=<last id>. A tenant's streams beyond `max_event_streams` are a 429."""
     def check() -> str:
         with db(request) as s:
             return _job(s, t, job_id).id
 
     job_id = await run_in_threadpool(check)
+    limits, top = limits_of(request, t), process_limits(request)
+    release = request.app.state.event_slots.acquire(t.id, t.name, cap=limits.max_event_streams,
+                                                    total_cap=top.max_event_streams_total)
+    lines = _stream(request, job_id, after, follow, idle_s=limits.event_stream_idle_s,
+                    keepalive_s=top.event_keepalive_s)
+    return HeldStream(lines, release, media_type="text/event-stream",
+                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def stream():
-        cursor = after
-        while True:
-            rows, state = await run_in_threadpool(_events, request, job_id, cursor)
-            for row in rows:
-                cursor = row.id
-                yield f"id: {row.id}\nevent: {row.kind}\ndata: {json.dumps(row.data)}\n\n"
-            if not rows and (not follow or JobState(state).terminal):
-                yield f"event: end\ndata: {json.dumps({'state': state})}\n\n"
+
+async def _stream(request: Request, job_id: str, cursor: int, follow: bool, *, idle_s: float, keepalive_s: float):
+    """The SSE text of a job's events after `cursor`. Reads the store only when the notifier
+    says the job changed; each wait is registered before the read it follows, so no event
+    committed after a read goes unnoticed."""
+    notifier = request.app.state.notifier
+    quiet_since, was_woken = time.monotonic(), False
+    while True:
+        woken, since = notifier.waiters.wait_for(job_id), notifier.since(job_id, was_woken)
+        try:
+            state, rows = await notifier.reads.read((job_id, cursor), since, partial(_events, request, job_id, cursor))
+            for cursor, text in rows:
+                yield text
+            was_woken = False
+            if len(rows) == PAGE:
+                continue
+            if rows:
+                quiet_since = time.monotonic()
+            if not follow or JobState(state).terminal:
+                yield _sse("end", {"state": state})
                 return
-            if not rows:
-                if await request.is_disconnected():
+            while not woken.is_set():
+                left = quiet_since + idle_s - time.monotonic()
+                if left <= 0:
+                    yield _sse("idle", {"after": cursor, "idle_seconds": idle_s, "state": state})
                     return
-                await asyncio.sleep(0.5)
-
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                try:
+                    async with asyncio.timeout(min(keepalive_s, left)):  # (no task per wait, as wait_for makes)
+                        await woken.wait()
+                except TimeoutError:
+                    if time.monotonic() < quiet_since + idle_s:
+                        yield KEEPALIVE
+            was_woken = True
+        finally:
+            notifier.waiters.forget(job_id, woken)
 
 
 @router.get("/jobs/{job_id}/logs")
@@ -269,7 +333,8 @@ def usage(request: Request, t: Tenant = TENANT) -> dict:
         rows = s.execute(select(Usage.kind, func.sum(Usage.amount)).where(Usage.tenant_id == t.id).group_by(Usage.kind))
         totals = {kind: float(amount) for kind, amount in rows}
         stored = s.scalar(select(func.coalesce(func.sum(Dataset.size_bytes), 0)).where(Dataset.tenant_id == t.id))
-    return {"tenant": t.name, **{k.value: totals.get(k.value, 0.0) for k in UsageKind}, "dataset_bytes": int(stored)}
+    return {"tenant": t.name, **{k.value: totals.get(k.value, 0.0) for k in UsageKind}, "dataset_bytes": int(stored),
+            "event_streams": request.app.state.event_slots.by_tenant.get(t.id, 0)}
 
 
 @router.get("/health")

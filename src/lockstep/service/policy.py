@@ -38,14 +38,16 @@ from lockstep.service.types import JobState, ServiceError
 MiB = 1024 * 1024
 
 
-_LEAST = {"max_job_gpus": 0}
-"""Caps that may be 0 (off); every other cap is at least 1."""
+_LEAST = {"max_job_gpus": 0, "event_keepalive_s": 0.01, "event_poll_s": 0.01}
+"""Caps that may be below 1 (0: off; the stream intervals); every other cap is at least 1."""
+GLOBAL_ONLY = ("max_event_streams_total", "event_keepalive_s", "event_poll_s")
+"""Keys of the API process as a whole: top level only, refused under [tenants.NAME]."""
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Caps on one job (and one tenant's datasets and queue). Each applies per job; the policy
-    file may set them per tenant."""
+    """Caps on one job (and one tenant's datasets, queue and event streams). Each applies per job;
+    the policy file may set them per tenant, but for GLOBAL_ONLY ones."""
 
     user_env_modules: tuple[str, ...] = ()
     """Modules a "module:function" env may come from (a module covers its submodules; "*": any).
@@ -113,6 +115,20 @@ class Limits:
     dataset_quota_bytes: int = 1024 * MiB
     """A tenant's datasets, all together."""
     max_datasets: int = 100
+    max_event_streams: int = 32
+    """`GET /v1/jobs/ID/events` streams a tenant may hold open at once (in one API process); the
+    next one is a 429 naming this cap."""
+    max_event_streams_total: int = 1024
+    """Event streams open at once in one API process, all tenants together (top level only)."""
+    event_stream_idle_s: float = 600.0
+    """A stream that sent no event for this long ends with an `idle` event (the client reconnects
+    with ?after=)."""
+    event_keepalive_s: float = 15.0
+    """An SSE comment line goes down an idle stream this often (top level only), so proxies and
+    clients see a live connection and a dead client is noticed."""
+    event_poll_s: float = 0.5
+    """How often the API's one change notifier reads the store for new job events (top level
+    only): the longest an event written by the worker waits to reach its streams."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -149,6 +165,9 @@ class Policy:
         if not isinstance(tenants, dict) or not all(isinstance(v, dict) for v in tenants.values()):
             raise PolicyError("tenants: expected tables [tenants.NAME]")
         base = _limits({}, data, "")
+        for name, over in tenants.items():
+            if key := next((k for k in over if k in GLOBAL_ONLY), None):
+                raise PolicyError(f"tenants.{name}.{key}: a setting of the whole API process; set it at the top level")
         return cls(base, {name: _limits(dataclasses.asdict(base), over, f"tenants.{name}.")
                           for name, over in tenants.items()})
 

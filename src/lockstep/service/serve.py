@@ -130,6 +130,7 @@ def run_api(*, host: str, port: int, db: str, storage: str, max_body_mb: int, wo
     import uvicorn
 
     from lockstep import raylocal
+    from lockstep.service import http_head
     from lockstep.service.app import ServiceConfig, create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -147,7 +148,8 @@ def run_api(*, host: str, port: int, db: str, storage: str, max_body_mb: int, wo
                              *worker_args])
         child.start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+                    http=http_head.protocol(), h11_max_incomplete_event_size=http_head.MAX_HEAD_BYTES)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if child is not None:
