@@ -291,8 +291,8 @@ def test_speculative_sampling_sessions_answer_exactly_as_plain_ones(tmp_path, bu
                          for i in range(4) for s in ("s1", "s2")]
     assert replies[drafter] == replies["off"]
     spec = hosts[drafter]
-    s1, s2 = spec.sessions["s1"][3], spec.sessions["s2"][3]
+    s1, s2 = spec.sessions["s1"].speculation, spec.sessions["s2"].speculation
     assert s1["drafter"] is not s2["drafter"] and s1["auto"] is not s2["auto"] and s1["auto"].observed > 0
-    assert hosts["off"].sessions["s1"][3] is None
+    assert hosts["off"].sessions["s1"].speculation is None
     with pytest.raises(HostError, match="unknown drafter"):
         EngineHost(str(tmp_path / "x"), str(tmp_path / "y"), 1, speculative="tree")
