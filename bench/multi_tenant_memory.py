@@ -88,6 +88,7 @@ def main() -> None:
         out = subprocess.run([sys.executable, __file__, "--one", str(k), "--model", a.model, "--rank", str(a.rank)] + ["--unembed"] * a.unembed,
                              check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # each K as it ends: a long run keeps what it measured
     one = rows[0]["rss_mib"]
     for r in rows:
         r["rss_vs_first"] = r["rss_mib"] / one
