@@ -65,6 +65,7 @@ class RequestExecutor:
         self.sock = doorbell.bind()
         self.host = EngineHost(config.storage_url, str(Path(config.home) / "cache"), config.threads or os.cpu_count() or 2,
                                max_models=config.max_models, max_sessions=config.max_sessions,
+                               model_cache_bytes=config.model_cache_bytes,
                                fetch_cache_bytes=config.fetch_cache_bytes, speculative=config.speculative,
                                draft_tokens=config.draft_tokens, draft_timeout=config.draft_timeout_s,
                                device=config.device, dtype=config.dtype)

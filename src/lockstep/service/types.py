@@ -177,13 +177,18 @@ class WorkerConfig:
     max_attempts: int = 3
     """Executor deaths a request may cause before it is failed instead of requeued."""
     max_models: int = 16
-    """Trainers held in memory; the least recently used beyond it is dropped and rebuilt on demand."""
+    """Trainers held in memory at once (a count, besides model_cache_bytes); the least recently used
+    beyond it is spilled to local disk and rebuilt exactly on its next request."""
     max_batch_tokens: int = 65_536
     """Token budget of one packed batch (service/packing.py): forward, forward_backward or sample
     requests of one base model, from any tenants, run together up to it (a request larger than it
     runs alone). Default: the API's max_tokens_per_request."""
     max_sessions: int = 32
-    """Sampling sessions' pinned weights held in memory, likewise."""
+    """Sampling sessions held in memory, likewise (one beyond it is reopened from its saved weights)."""
+    model_cache_bytes: int = 0
+    """Bytes of tensors the engine host holds (shared bases, adapters with their gradients and AdamW
+    moments, full trainers, sampler weights); the least recently used beyond it are evicted. 0: half
+    the machine's memory (three quarters of the GPU's with --device cuda)."""
     fetch_cache_bytes: int = 4 << 30
     """Local copies of saved states kept for reuse (least recently used evicted beyond it)."""
     janitor_every_s: float = 30.0
