@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -53,6 +54,16 @@ def builtin_dir(tmp_path_factory):
     from lockstep.engine.tiny import ensure_tiny_model
 
     return str(ensure_tiny_model(tmp_path_factory.mktemp("home") / "tiny"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_ends_with_its_module():
+    """A module that left this process connected to Ray would make the next module's own
+    ray.init fail ("called ray.init twice"): each module ends on no Ray."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.fixture(autouse=True)

@@ -154,6 +154,7 @@ RL = [f"stages=[{{kind = 'rl', steps = {STEPS}, prompts_per_step = {PROMPTS}, gr
       f"runtime.allocator_window={WINDOW}", "seed=3"]
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_an_async_run_is_replanned_and_trains_every_group_once(tmp_path, builtin_dir):
     d = tmp_path / "alloc"
     run(load(None, [*RL, f"model.path='{builtin_dir}'"]), d)

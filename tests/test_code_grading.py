@@ -11,31 +11,29 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 
 import pytest
+from required import require_sandbox
 
-from lockstep.sandbox.bwrap import check_available
 from lockstep.sandbox.grading import MAX_VALUE_BYTES, grade, value_budget
-from lockstep.sandbox.plain import MAX_DEPTH, Encoder, NotPlain, check, decode, encode, update_in_place
+from lockstep.sandbox.plain import (
+    MAX_DEPTH,
+    Encoder,
+    NotPlain,
+    check,
+    decode,
+    encode,
+    update_in_place,
+)
 from lockstep.sandbox.pool import close_pools
-from lockstep.sandbox.types import Limits, SandboxUnavailable
+from lockstep.sandbox.types import Limits
 
 LIMITS = Limits(wall_s=3, cpu_s=2, memory_mb=256)
 BUDGET = 1 << 16
 
 
-def _sandbox_or_skip() -> None:
-    try:
-        check_available()
-    except SandboxUnavailable as e:
-        if os.environ.get("LOCKSTEP_REQUIRE_SERVICES") == "1":
-            pytest.fail(f"{e} (LOCKSTEP_REQUIRE_SERVICES=1)")
-        pytest.skip(str(e))
-
-
 def run(program: str, tests: list[str], *, entry_point: str = "", limits: Limits = LIMITS):
-    _sandbox_or_skip()
+    require_sandbox(hostile=False)
     graded = asyncio.run(grade(program, tests, limits, entry_point=entry_point))
     close_pools()  # the grading pools keep primed sandboxes: none outlives a test
     assert len(graded.passed) == len(graded.details) == len(tests)

@@ -16,7 +16,7 @@ def _check(*args, home, **env_vars):
     return proc.returncode, report
 
 
-@pytest.mark.parametrize("which,path", [("builtin", "fused"), ("qwen2", "fused"), ("builtin", "eager")])
+@pytest.mark.parametrize("which,path", [("builtin", "fused"), ("qwen2", "fused"), pytest.param("builtin", "eager", marks=pytest.mark.slow)])
 def test_every_sampled_token_is_bitwise_equal(which, path, qwen2_dir, tmp_path):
     """On the fused kernels (the default: scripts/setup.sh builds them) and on the pure-PyTorch
     fallback; LoRA off and on; batches 1, 7 and 64; sampler and trainer at 1, 2 and 4 threads."""
@@ -35,7 +35,8 @@ def test_every_sampled_token_is_bitwise_equal(which, path, qwen2_dir, tmp_path):
     assert not report["moe"] and report["routing_compared"] == 0
 
 
-@pytest.mark.parametrize("drafter,path", [("suffix", "fused"), ("suffix", "eager"), ("model", "fused")])
+@pytest.mark.parametrize("drafter,path", [("suffix", "fused"), pytest.param("suffix", "eager", marks=pytest.mark.slow),
+                                         pytest.param("model", "fused", marks=pytest.mark.slow)])
 def test_speculative_decoding_keeps_every_token_bitwise_equal(drafter, path, tmp_path):
     """`--speculative suffix|model`: the sampler verifies drafted tokens in its forward; every
     sampled token's logprob still equals the trainer's, and drafts were really accepted."""
@@ -53,7 +54,7 @@ def test_an_unknown_drafter_is_refused(tmp_path):
     assert proc.returncode == 2 and "invalid choice: 'tree'" in proc.stderr and "suffix" in proc.stderr
 
 
-@pytest.mark.parametrize("path", ["fused", "eager"])
+@pytest.mark.parametrize("path", ["fused", pytest.param("eager", marks=pytest.mark.slow)])
 def test_a_mixture_of_experts_samples_and_routes_exactly_as_it_trains(path, moe_dir, tmp_path):
     """Qwen3-MoE: every sampled token's logprob, and every token's expert choice in every MoE
     layer, equal between the sampler's decode and the trainer's forward (no routing replay)."""

@@ -142,6 +142,7 @@ def _up(port) -> bool:
         return False
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_running_runs_page_updates_live_in_a_browser(tmp_path, builtin_dir):
     """`lockstep run --dashboard`: the page's reward curve grows as RL steps arrive and the console
     stays free of errors; then `lockstep dashboard` on the finished run shows every step, and its

@@ -80,12 +80,13 @@ def reference(builtin_dir):
     return one_process(builtin_dir, 3)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_n_ranks_equal_one_process_bit_for_bit(tmp_path, builtin_dir, reference, world):
     ranks = data_parallel(tmp_path, builtin_dir, world, 3)
     assert all(same(w, reference) for w in ranks)  # every rank, and the one-process run: one set of bits
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_checkpoint_resumes_under_another_number_of_ranks(tmp_path, builtin_dir, reference):
     ckpt = tmp_path / "ckpt"
     (tmp_path / "a").mkdir()
@@ -121,6 +122,7 @@ def ranks_ready(tmp_path, builtin_dir):
 
 # Timed from the go (func_only: the ranks' start-up is in the fixture), far below gloo's 300 s.
 @pytest.mark.timeout(120, func_only=True)
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_an_internal_error_on_one_rank_fails_the_step_on_every_rank_at_once(tmp_path, builtin_dir, ranks_ready):
     """Rank 1 raises RuntimeError (not an EngineError) on its first micro-batch of step 0. It still
     takes its part in the gradient chain, so every rank's step fails at once: rank 1 with its own

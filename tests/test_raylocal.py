@@ -7,6 +7,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from lockstep import raylocal
 from service_harness import alive
@@ -26,6 +27,7 @@ def names(procs) -> str:
     return "\n".join(out)
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_run_binds_loopback_only_and_nothing_outlives_a_killed_driver(tmp_path, builtin_dir):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop(raylocal.LOOPBACK_SWITCH, None)  # what a user's shell has

@@ -48,6 +48,7 @@ def trained(rl):
     return [r for r in rl if r["train/loss_sum"] != 0.0]
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_code_env_runs_through_the_loop(tmp_path, builtin_dir):
     """SFT on reference solutions, then GRPO on programs graded in the sandbox: steps train, the
     tests' share and the failure kinds are in the metrics, logprobs stay exact."""
@@ -75,6 +76,7 @@ def easy_tool_problems(path):
     return path
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_tool_env_with_forked_episodes_runs_through_the_loop(tmp_path, builtin_dir):
     """Multi-turn tool calls into the sandboxed interpreter, each episode forked after its first
     turn into two branches: the branches are trained (per-turn advantages), tool output tokens

@@ -26,6 +26,7 @@ def final_weights(d):
     return load_file(str(d / "checkpoints" / "final" / "model.safetensors"))
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_two_trainer_replicas_equal_one_bit_for_bit(tmp_path, builtin_dir):
     runs = {}
     for replicas in (1, 2):

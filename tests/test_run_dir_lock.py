@@ -44,6 +44,7 @@ def test_a_live_holder_is_named_and_a_dead_ones_directory_is_taken_over(tmp_path
     holder(d).communicate("")  # released when the block ends: another process takes it
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_second_run_or_resume_on_a_live_run_directory_is_refused(tmp_path, builtin_dir):
     """The report: a second `lockstep run` said "continue it with --resume", and following that
     hint started a second writer that cut metrics.jsonl back and wrote its own summary.json."""

@@ -51,7 +51,7 @@ def check_ledger(d, rl_steps, prompts_per_step):
     return led
 
 
-@pytest.mark.parametrize("staleness", [0, 2])
+@pytest.mark.parametrize("staleness", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_run_writes_a_complete_run_directory(tmp_path, builtin_dir, staleness):
     spec = load(None, [*TINY, f"model.path='{builtin_dir}'", f"rl.max_staleness={staleness}"])
     summary = run(spec, tmp_path / "run")
@@ -90,6 +90,7 @@ def test_run_writes_a_complete_run_directory(tmp_path, builtin_dir, staleness):
     check_ledger(d, 4, 4)
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_multi_turn_episodes_run_in_the_loop(tmp_path, builtin_dir):
     """Episodes take a second turn after a wrong answer (the barely warmed-up model is mostly
     wrong), and the trainer recomputes the sampler's logprob of every sampled token of those
@@ -103,7 +104,8 @@ def test_multi_turn_episodes_run_in_the_loop(tmp_path, builtin_dir):
     check_ledger(tmp_path / "run", 4, 4)
 
 
-@pytest.mark.parametrize("drafter,env", [("suffix", "arithmetic"), ("suffix", "long_addition"), ("model", "long_addition")])
+@pytest.mark.parametrize("drafter,env", [("suffix", "arithmetic"), pytest.param("suffix", "long_addition", marks=pytest.mark.slow),
+                                              pytest.param("model", "long_addition", marks=pytest.mark.slow)])
 def test_speculative_decoding_in_the_loop_keeps_logprobs_exact(tmp_path, builtin_dir, drafter, env):
     """rollout.speculative.drafter = "suffix" (drafts from the group's other samples and earlier
     completions of the same prompt) or "model" (a draft learning online, swapped in while the run
@@ -129,6 +131,7 @@ def test_speculative_decoding_in_the_loop_keeps_logprobs_exact(tmp_path, builtin
     check_ledger(d, 4, 4)
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_mixture_of_experts_trains_its_chosen_experts_in_the_loop(tmp_path, moe_dir):
     """A Qwen3-MoE through SFT and async RL with model.train_experts = [1]: the run's records carry
     each MoE layer's router load, RL stays on-policy exactly (the routing agrees), and in the final
@@ -150,6 +153,7 @@ def test_a_mixture_of_experts_trains_its_chosen_experts_in_the_loop(tmp_path, mo
     check_ledger(tmp_path / "run", 4, 4)
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_math_env_grades_with_math_verify_inside_ray(tmp_path, builtin_dir):
     rows = [{"problem": f"{a}+{b}", "answer": str(a + b)} for a in range(10) for b in range(4)]
     rows.append({"problem": "no answer here"})  # counted and skipped
@@ -222,6 +226,7 @@ def check_no_step_redone(d, summary, rl_steps):
     assert [e["step"] for e in log if e["event"] == "trained"] == list(range(1, rl_steps + 1))
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 @pytest.mark.parametrize("role", ["generator", "env0"])
 def test_a_crashed_generator_or_env_worker_is_restarted_and_its_groups_replayed(tmp_path, builtin_dir, reference, role):
     d, summary = run_and_kill(tmp_path, builtin_dir, role, when=lambda d: rl_steps_logged(d) >= 4)
@@ -232,6 +237,7 @@ def test_a_crashed_generator_or_env_worker_is_restarted_and_its_groups_replayed(
     assert_same_weights(d, reference)  # the replay changed nothing: the run is the same run
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_generator_lost_while_taking_new_weights_costs_no_trained_step(tmp_path, builtin_dir, reference):
     """Killed the moment a step is trained, the generator dies while it is handed the new weights
     (this used to roll the run back to its last checkpoint and train up to checkpoint_every steps
@@ -242,6 +248,7 @@ def test_a_generator_lost_while_taking_new_weights_costs_no_trained_step(tmp_pat
     assert_same_weights(d, reference)
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_restarted_actor_refuses_the_calls_that_need_its_lost_state(builtin_dir):
     """A trainer or generator that Ray restarted between two calls has the base weights again:
     it refuses to train, publish or sample on them until it is given its state back, so the
@@ -344,6 +351,7 @@ def tear(ckpt: Path, how: str) -> None:
         (ckpt / "MANIFEST.json").unlink()
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_sigkill_then_resume_an_async_run_trains_every_group_exactly_once(tmp_path, builtin_dir):
     """(The synchronous case, bit for bit against the uninterrupted run, is the torn-checkpoint
     test below.)"""
@@ -356,6 +364,7 @@ def test_sigkill_then_resume_an_async_run_trains_every_group_exactly_once(tmp_pa
     check_resumed(d, name)
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_resume_passes_over_a_torn_checkpoint_and_says_so(tmp_path, killed_run, reference):
     d = copy_run(killed_run, tmp_path)
     newest, previous = sorted((d / "checkpoints").glob("step-*"))[-2:][::-1]
@@ -368,6 +377,7 @@ def test_resume_passes_over_a_torn_checkpoint_and_says_so(tmp_path, killed_run, 
     assert_same_weights(d, reference)  # bit for bit the uninterrupted run
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_resume_refuses_when_every_checkpoint_is_torn_and_changes_nothing(tmp_path, killed_run):
     d = copy_run(killed_run, tmp_path)
     checkpoints = sorted((d / "checkpoints").glob("step-*"))
@@ -422,6 +432,7 @@ def test_the_readme_example_config_learns(tmp_path, builtin_dir):
     assert len(rl_evals) == 2 and min(rl_evals) >= 0.2
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_collapse_of_held_out_accuracy_is_logged_and_reported(tmp_path, warm_dir, caplog):
     """RL at a learning rate far too high for the model, from a warmed-up model (~30% held-out
     accuracy): the accuracy collapses (measured: 0.47 -> 0.00 within 4 steps), and the run says

@@ -167,6 +167,7 @@ def test_after_a_rollback_an_idle_replica_takes_the_new_branch_at_the_same_versi
         ray.kill(gen), ray.kill(fresh), ray.kill(trainer)
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_two_generator_replicas_equal_one_bit_for_bit(tmp_path, warm_dir):
     """Synchronous RL from a warmed-up model (rewards vary, so every step has a gradient): the
     replicas share out the groups, and the run is the one-replica run, bit for bit."""
@@ -187,7 +188,8 @@ def test_two_generator_replicas_equal_one_bit_for_bit(tmp_path, warm_dir):
     assert all(r["mismatch/abs_max"] == 0.0 for r in b)
 
 
-@pytest.mark.parametrize("sync", ["rolling", pytest.param("pause", marks=pytest.mark.slow)])  # pause: the baseline
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
+@pytest.mark.parametrize("sync", ["rolling", "pause"])  # pause: the baseline
 def test_an_async_run_over_two_replicas_keeps_the_staleness_bound_and_exact_logprobs(tmp_path, warm_dir, sync):
     d = tmp_path / "run"
     summary = run(rl_spec(warm_dir, 1, "rollout.replicas=2", f"rollout.weight_sync='{sync}'",
@@ -274,6 +276,7 @@ def first_difference(reference, d) -> str:
     return "the metrics of every step agree; only the final weights differ"
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_replica_out_of_restarts_is_dropped_and_the_run_goes_on(tmp_path, warm_dir, caplog):
     with caplog.at_level("WARNING", logger="lockstep.run"):
         d, summary = run_and_kill_replica(tmp_path, warm_dir, "runtime.max_restarts=0")
@@ -314,6 +317,7 @@ def test_generator_replica_settings_are_checked_and_capped_for_jobs():
         assert g * p.generator_cpus + t * p.trainer_cpus + e * p.env_cpus <= cpus
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_the_allocator_grows_and_shrinks_the_fleet_without_losing_a_group(tmp_path, warm_dir, monkeypatch):
     """rollout.replicas = "auto" with the allocator's decisions scripted (its policy is tested on
     synthetic windows in test_allocator.py): a replica is started mid-run and routed to only once it

@@ -61,6 +61,7 @@ def until_restarted(actor, incarnation: str) -> None:
             pass  # this call reached the incarnation being killed; the next waits for the restart
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_run_with_an_eager_replica_is_refused_naming_the_path(tmp_path, builtin_dir, monkeypatch):
     d = tmp_path / "run"
     replica_env(monkeypatch, 1, EAGER)
@@ -93,6 +94,7 @@ def test_with_the_opt_in_a_mixed_run_runs_and_measures_the_mismatch(tmp_path, bu
     assert len(rl) == 3 and all(r["mismatch/abs_max"] > 0.0 for r in rl)
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_replica_that_joins_or_restarts_on_another_forward_is_kept_out(tmp_path, builtin_dir, monkeypatch, caplog):
     """The allocator's new replica on the eager path is not added; a replica that Ray restarts on a
     node without the fused build (here: its kernels directory is gone when it restarts) is dropped."""

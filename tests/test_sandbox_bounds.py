@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 
 import pytest
+from required import require_sandbox
 
 from lockstep.envs.code import SHIPPED
 from lockstep.sandbox import bwrap, cgroup, process, seccomp, uids
@@ -35,20 +36,9 @@ LIMITS = Limits(wall_s=10, cpu_s=4, memory_mb=256, processes=16, open_files=64, 
 SYSV = ("msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop", "semtimedop", "semctl")
 
 
-def _skip_without_sandbox() -> None:
-    if bwrap.unsafe():
-        pytest.skip("LOCKSTEP_SANDBOX_UNSAFE=1: hostile programs are not run unsandboxed")
-    try:
-        bwrap.check_available()
-    except SandboxUnavailable as e:
-        if os.environ.get("LOCKSTEP_REQUIRE_SERVICES") == "1":
-            pytest.fail(f"{e} (LOCKSTEP_REQUIRE_SERVICES=1)")
-        pytest.skip(str(e))
-
-
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
-    _skip_without_sandbox()
+    require_sandbox()
     close_pools()
     yield
     close_pools()

@@ -40,12 +40,13 @@ from pathlib import Path
 
 import pytest
 from old_code_judge import run_tests_naive, run_tests_old
+from required import require_sandbox
 
 from lockstep.envs.code import SHIPPED, Outcome, Problem, run_tests
 from lockstep.sandbox import cgroup, uids
-from lockstep.sandbox.bwrap import SANDBOX_UID, check_available, spawn_user, unsafe
+from lockstep.sandbox.bwrap import SANDBOX_UID, spawn_user
 from lockstep.sandbox.pool import close_pools, pool, run_program_blocking
-from lockstep.sandbox.types import Limits, LimitsError, SandboxUnavailable
+from lockstep.sandbox.types import Limits, LimitsError
 
 HOSTILE = Path(__file__).parent / "hostile"
 PROGRAMS = sorted(p.stem for p in HOSTILE.glob("*.py"))
@@ -60,17 +61,6 @@ MEMORY_SLACK_MB = 500
 EXPECTED_REASONS = {"huge_output": {"violation"}, "sleep_forever": {"timeout"},
                     "infinite_loop": {"violation", "timeout"}}
 """Where the way it was stopped is certain; every other program's reason is only recorded."""
-
-
-def _sandbox_or_skip() -> None:
-    if unsafe():
-        pytest.skip("LOCKSTEP_SANDBOX_UNSAFE=1: hostile programs are not run unsandboxed")
-    try:
-        check_available()
-    except SandboxUnavailable as e:
-        if os.environ.get("LOCKSTEP_REQUIRE_SERVICES") == "1":  # CI: bubblewrap is part of the set-up
-            pytest.fail(f"{e} (LOCKSTEP_REQUIRE_SERVICES=1)")
-        pytest.skip(str(e))
 
 
 # -- the host: canaries, a listener, a victim process -------------------------------------------------
@@ -141,7 +131,7 @@ def _serve(sock: socket.socket, banner: bytes, stop: threading.Event) -> None:
 
 @pytest.fixture(scope="module")
 def host():
-    _sandbox_or_skip()
+    require_sandbox()
     token = secrets.token_hex(16)
     # Under /tmp and world-writable (not pytest's 0700 tmp_path): only the sandbox stands between
     # the programs, which run as an unprivileged uid, and these files.
@@ -500,7 +490,7 @@ def test_grading_attack_wins_without_the_defence(host, name):
 
 # -- the CLI and the limits -----------------------------------------------------------------------------
 def test_cli_run_json():
-    _sandbox_or_skip()
+    require_sandbox()
     small = ["--json", "--wall-s", "3", "--cpu-s", "1", "--output-kb", "16"]
     cases = {"hello": "print('hello, sandbox')\n", "exit3": "import sys\nprint('bye')\nsys.exit(3)\n",
              "loop": "while True:\n    pass\n",
@@ -543,7 +533,7 @@ def test_limits_validation_is_clear():
 def test_shipped_problems_grade_right():
     """Every shipped problem's reference solution gets reward 1; wrong programs (the entry point
     returning None, or its first argument) less."""
-    _sandbox_or_skip()
+    require_sandbox()
     rows = [json.loads(line) for line in SHIPPED.read_text().splitlines() if line.strip()]
     problems = [Problem(r["prompt"], tuple(r["tests"]), r.get("entry_point", ""), r["solution"]) for r in rows]
     assert len(problems) >= 40 and all(p.entry_point and p.solution for p in problems)

@@ -15,22 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tinker
+from required import unavailable
 from sqlalchemy import func, select
+from test_service_sdk import free_port, logprobs, make_server, sft_datum
 from tinker import types
 
 from lockstep.service import queue
 from lockstep.service.db import Request, connect
 from lockstep.service.tenants import create_tenant
 from lockstep.service.types import RequestKind
-from test_service_sdk import free_port, logprobs, make_server, sft_datum
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
-
-
-def unavailable(reason: str):
-    if os.environ.get("LOCKSTEP_REQUIRE_SERVICES") == "1":
-        pytest.fail(f"{reason} (LOCKSTEP_REQUIRE_SERVICES=1)")
-    pytest.skip(reason)
 
 
 def _as_postgres(cmd: list[str]) -> list[str]:

@@ -65,7 +65,8 @@ class Service:
     def end(self, job_id: str) -> None:
         with self.sessions() as s:
             job = s.get(Job, job_id)
-            assert move(s, job, JobState.RUNNING) and move(s, job, JobState.SUCCEEDED)
+            # as the scheduler moves a job: started, running, then done
+            assert all(move(s, job, to) for to in (JobState.STARTING, JobState.RUNNING, JobState.SUCCEEDED))
             s.commit()
 
     def open(self, tenant: str, job_id: str, **params) -> httpx.Response:
@@ -168,7 +169,7 @@ def test_an_idle_stream_ends_as_idle_and_resumes_from_its_place(svc):
     svc.end(job)
     resumed = [e for e in events(svc.open("idler", job, after=first)) if e[0] != "comment"]
     assert resumed[0] == ("metrics", later, {"step": 7})
-    assert [kind for kind, _, _ in resumed] == ["metrics", "state", "state", "end"]
+    assert [kind for kind, _, _ in resumed] == ["metrics", "state", "state", "state", "end"]  # starting, running, succeeded
 
 
 def test_events_arrive_in_order_and_none_is_lost_across_the_notifier(tmp_path):

@@ -223,6 +223,7 @@ def test_hostile_rows_fail_alone_and_the_worker_serves_on(logged, builtin_dir):
     assert all((a == b).all() for a, b in zip(got, reference_logprobs(builtin_dir, data, steps=2, lr=1e-2, seed=5)))
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_request_that_keeps_killing_the_executor_is_failed_and_its_model_goes_on(logged, builtin_dir):
     """SIGKILL the executor every time it holds one request: after --max-attempts 2 claims the
     request fails with a message instead of being requeued forever; the model's later requests
@@ -268,6 +269,7 @@ def test_a_request_that_keeps_killing_the_executor_is_failed_and_its_model_goes_
 
 
 # -- processes never outlive their parents ------------------------------------------------------
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_killed_worker_takes_its_ray_and_jobs_along_and_serve_restarts_it(logged):
     """kill -9 of the worker: every process it started (Ray's GCS, raylet and agents, the
     Executor, a running job and that job's actors) is gone within seconds; all of them listened
@@ -306,6 +308,7 @@ def test_a_killed_worker_takes_its_ray_and_jobs_along_and_serve_restarts_it(logg
     assert not alive(everything), describe(alive(everything))
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_ctrl_c_stops_serve_its_worker_ray_and_jobs(logged):
     srv = logged
     serve = start_logged(srv, log=srv.log)
@@ -319,6 +322,7 @@ def test_ctrl_c_stops_serve_its_worker_ray_and_jobs(logged):
 
 
 # -- kill -9 anywhere, and load -------------------------------------------------------------------
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_kill_9_of_api_worker_and_executor_mid_training_applies_every_step_once(tmp_path):
     """Each of the API, the worker (its supervisor process alone) and the Executor SIGKILLed at a
     random moment of an SDK training loop: the final weights equal an uninterrupted run's."""

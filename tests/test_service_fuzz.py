@@ -15,7 +15,7 @@ CASES = {"sqlite": (1000, 400), "postgres": (500, 200)}
 """(schema cases, protobuf cases) per store."""
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.slow)])  # slow: time
 def fuzzer(request, tmp_path_factory, builtin_dir):
     home = tmp_path_factory.mktemp(f"fuzz-{request.param}")
     url = request.getfixturevalue("postgres_url") if request.param == "postgres" else None

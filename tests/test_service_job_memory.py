@@ -93,6 +93,7 @@ def test_a_job_over_its_memory_cap_is_stopped_and_the_server_stays_under_the_bou
     assert worker_pid(metered) == worker
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_another_tenants_job_runs_on_while_a_job_is_stopped_for_memory(metered):
     normal = submit(metered, "alice", "rl.steps=3", name="normal")
     wait_state(metered, "alice", normal, ("running",))

@@ -136,6 +136,7 @@ def upload(service, tenant, tmp_path, rows, name="rows.jsonl") -> str:
     return json.loads(out.strip().splitlines()[-1])["id"]
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_failing_job_is_retried_with_backoff_then_fails_with_a_message(service, tmp_path):
     ds = upload(service, "alice", tmp_path, [{"question": f"{i}+1", "result": i + 1} for i in range(20)])
     spec = {"env": {"name": "math", "path": ds, "num_heldout": 4}}  # rows lack the fields the suite reads
@@ -153,6 +154,7 @@ def test_a_failing_job_is_retried_with_backoff_then_fails_with_a_message(service
     assert api(service, "bob", "GET", f"jobs/{job['id']}/logs").status_code == 404
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_job_trains_on_a_dataset_from_a_final_model_of_its_tenant(service, tmp_path):
     """Inputs are references the worker resolves: the tenant's uploaded dataset, and its own
     earlier job's final model (copied into the new job's directory, never read by a client path)."""
@@ -222,6 +224,7 @@ def test_a_job_over_its_memory_cap_fails_alone_with_a_message_under_rlimit(servi
     assert held and max(held) < HOG_CAP_MB and "MemoryError" in output, output[-2000:]
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_job_processes_end_with_their_worker(tmp_path):
     """kill -9 of the worker: its job's `lockstep run` and that run's Ray actors are gone within seconds."""
     srv = make_server(tmp_path)
@@ -244,6 +247,7 @@ def test_job_processes_end_with_their_worker(tmp_path):
         srv.stop()
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_cancel_and_the_concurrent_jobs_quota(service):
     first = submit(service, "solo", "rl.steps=400", name="long")
     wait_state(service, "solo", first, ("running",))
@@ -260,6 +264,7 @@ def test_cancel_and_the_concurrent_jobs_quota(service):
     assert api(service, "solo", "POST", f"jobs/{first}/cancel").status_code == 409  # it already ended
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_reserved_job_preempts_and_the_preempted_job_resumes(service):
     long_a = submit(service, "alice", "rl.steps=100", "runtime.checkpoint_every=5", name="a", max_attempts=1)
     long_b = submit(service, "bob", "rl.steps=100", "runtime.checkpoint_every=5", name="b", max_attempts=1)
@@ -285,6 +290,7 @@ def test_a_reserved_job_preempts_and_the_preempted_job_resumes(service):
     assert sorted(set(led.trained_step.values())) == list(range(1, 101)) and led.pending() == []
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_jobs_page_updates_live_in_a_browser_and_stays_its_tenants(service, tmp_path):
     """/ui: alice signs in with her key, finds her running job and opens its page; the reward curve
     grows as steps arrive, the pipeline panel ends equal to the job's metrics.jsonl, the console
@@ -331,6 +337,7 @@ def test_a_jobs_page_updates_live_in_a_browser_and_stays_its_tenants(service, tm
 
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_agentic_env_jobs_run_their_programs_sandboxed(service):
     """The code and python_tool envs run as jobs (model-written programs in the job's sandbox); a
     spec that asks for looser sandbox limits than the server's caps is refused up front."""

@@ -108,7 +108,7 @@ def logprobs(out) -> list[np.ndarray]:
     return [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
 
 
-@pytest.mark.parametrize("rank", [16, 0])
+@pytest.mark.parametrize("rank", [pytest.param(16, marks=pytest.mark.slow), 0])
 def test_sft_loop_loss_falls(server, rank):
     """LoRA (rank 16) and full fine-tuning (rank 0, our extension) on 1-digit addition."""
     tc = client(server).create_lora_training_client(base_model="lockstep/tiny", rank=rank, seed=0).result()
@@ -201,6 +201,7 @@ def test_sampled_logprobs_equal_compute_logprobs_bit_for_bit(server):
             assert seq.stop_reason == ("stop" if five in whole.tokens else whole.stop_reason)
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_speculative_server_samples_exactly_as_a_plain_one(server, tmp_path, warm_dir):
     """`lockstep serve --speculative model`: through the official SDK, a LoRA trainer's sampler and
     the base model's return the plain server's samples for the same seeds (greedy and at
@@ -297,6 +298,7 @@ def reference_logprobs(base_dir, data, steps: int, lr: float, seed: int, **lora)
     return [o["logprobs"] for o in trainer.forward(ds, "cross_entropy").loss_fn_outputs]
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_restarts_mid_queue_lose_nothing_and_run_nothing_twice(tmp_path, builtin_dir):
     """Requests queued while no worker runs survive an API kill; a worker killed mid-queue is
     replaced and rebuilds the model from its durable state: the result equals an uninterrupted run."""
@@ -349,6 +351,7 @@ def executor_of(worker: subprocess.Popen, old: int | None = None, timeout: float
     raise AssertionError("no Executor actor process found under the worker")
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_executor_killed_alone_restarts_and_dies_with_its_supervisor(tmp_path, builtin_dir):
     """Ray restarts a killed Executor: the request it held is requeued and every step still runs
     exactly once. An Executor whose supervisor is killed exits instead of claiming on as an orphan."""

@@ -96,7 +96,8 @@ def tight(tmp_path_factory):
     srv.stop()
 
 
-@pytest.mark.parametrize("lora", [{}, {"train_unembed": False}], ids=["private-copy", "shared-base"])
+@pytest.mark.parametrize("lora", [pytest.param({}, marks=pytest.mark.slow), {"train_unembed": False}],
+                         ids=["private-copy", "shared-base"])  # slow: time
 def test_models_evicted_from_memory_continue_bit_for_bit(tight, builtin_dir, lora):
     """Two models trained in turn on a host that holds one: each is spilled and rebuilt at every
     switch, and ends exactly where an uninterrupted run on a peft Trainer does; a LoRA without

@@ -44,7 +44,7 @@ def test_ten_fresh_processes_train_to_identical_weights(tmp_path, qwen2_dir):
     assert differing == []
 
 
-@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_resume_in_fresh_process_is_bitwise_exact(tmp_path, qwen2_dir, lora):
     flag = ["--lora"] if lora else []
     run_worker("--model", qwen2_dir, "--steps", "6", "--weights-out", str(tmp_path / "straight.st"), *flag)

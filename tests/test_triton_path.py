@@ -57,7 +57,8 @@ def trainer_logprobs(trainer, prompts, results) -> list[np.ndarray]:
     return [o["logprobs"][len(p) - 1:] for o, p in zip(out.loss_fn_outputs, prompts)]
 
 
-@pytest.mark.parametrize("dtype, lora", [("float32", None), ("bfloat16", None), ("bfloat16", LoraSpec(rank=4, seed=2))])
+@pytest.mark.parametrize("dtype, lora", [("float32", None), pytest.param("bfloat16", None, marks=pytest.mark.slow),
+                                         pytest.param("bfloat16", LoraSpec(rank=4, seed=2), marks=pytest.mark.slow)])
 def test_sampler_and_trainer_agree_bit_for_bit(micro_dir, dtype, lora):
     trainer = triton_trainer(micro_dir, dtype, lora)
     results = sample(trainer, PROMPTS)
@@ -69,6 +70,7 @@ def test_sampler_and_trainer_agree_bit_for_bit(micro_dir, dtype, lora):
     assert alone[0].sequences[0] == results[1].sequences[0]
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_bf16_computes_in_bf16_over_float32_master_weights(micro_dir):
     t16, t32 = triton_trainer(micro_dir, "bfloat16"), triton_trainer(micro_dir, "float32")
     assert all(p.dtype == torch.float32 for p in t16.params.values())  # what the optimizer steps
@@ -95,6 +97,7 @@ def test_training_on_the_triton_path_matches_the_cpu_kernels(micro_dir):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_checkpoint_round_trip_keeps_the_bits(micro_dir, tmp_path):
     trainer = triton_trainer(micro_dir, "bfloat16")
     data = [Datum.from_tokens(list(p) + [20, 21, 22]) for p in PROMPTS]
@@ -108,8 +111,8 @@ def test_a_checkpoint_round_trip_keeps_the_bits(micro_dir, tmp_path):
     assert again.step == 1 and again.model.path == "triton"
 
 
-@pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("qwen3", "float32"), ("qwen3_moe", "float32"),
-                                         ("mixtral", "float32"), ("qwen3_moe", "bfloat16")])
+@pytest.mark.parametrize("arch, dtype", [("llama", "float32"), *[pytest.param(*c, marks=pytest.mark.slow) for c in [
+    ("qwen3", "float32"), ("qwen3_moe", "float32"), ("mixtral", "float32"), ("qwen3_moe", "bfloat16")]]])
 def test_every_architecture_on_the_triton_path(arch, dtype, arch_dirs):
     """Llama, Qwen3 (per-head q/k norms, head size 24: a padded head block) and the mixtures of
     experts: the Triton path computes transformers' float32 forward (to float32 rounding, or to bf16
@@ -215,6 +218,7 @@ def test_atomic_order_changes_the_bits_of_an_index_add_gradient():
     assert torch.equal(fixed[0][0], x.new_zeros(3, 64).index_add_(0, torch.tensor(rows), weights))  # CPU's order
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_data_parallel_step_is_one_trainer_whatever_order_the_gpus_atomics_take(micro_dir):
     """Two micro-batches of GRPO groups (shared prompts: the trainer shares their prefixes) under
     GSPO (per-datum sums over tokens). One trainer accumulates both under one atomic order; two

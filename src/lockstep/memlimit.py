@@ -35,6 +35,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from lockstep.cgroupfs import mounts, oom_kills, own_paths, procs
+
 log = logging.getLogger("lockstep.memlimit")
 
 CGROUP_ENV = "LOCKSTEP_JOB_CGROUP"
@@ -65,31 +67,18 @@ class Backend:
 
 
 # -- finding the worker's cgroup -----------------------------------------------------------------
-def _mounts() -> list[tuple[str, Path, str, set[str]]]:
-    """(root within the hierarchy, mount point, fs type, super options) of every cgroup mount."""
-    out = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        left, _, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if len(fields) >= 5 and len(tail) >= 3 and tail[0] in ("cgroup", "cgroup2"):
-            out.append((fields[3], Path(fields[4].replace("\\040", " ")), tail[0], set(tail[2].split(","))))
-    return out
-
-
 def _own(kind: str) -> Path | None:
     """This process's cgroup directory in the v2 hierarchy ("cgroup2") or v1's memory one, or None."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if (kind == "cgroup2" and controllers == "") or (kind == "cgroup1" and "memory" in controllers.split(",")):
-            break
-    else:
+    paths = own_paths()
+    path = paths.get("") if kind == "cgroup2" else paths.get("memory")
+    if path is None:
         return None
-    for root, point, fstype, options in _mounts():
-        if (fstype == "cgroup2") != (kind == "cgroup2") or (kind == "cgroup1" and "memory" not in options):
+    for m in mounts():
+        if (m.fstype == "cgroup2") != (kind == "cgroup2") or (kind == "cgroup1" and "memory" not in m.options):
             continue
-        rel = os.path.relpath(path, root)
+        rel = os.path.relpath(path, m.root)
         if not rel.startswith(".."):
-            return (point / rel).resolve()
+            return (Path(m.point) / rel).resolve()
     return None
 
 
@@ -177,18 +166,10 @@ class _Cgroup:
             raise
 
     def pids(self) -> list[int]:
-        try:
-            return [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
-        except FileNotFoundError:
-            return []
+        return procs(self.path)
 
     def oom_kills(self) -> int:
-        name = "memory.events" if self.kind == "cgroup2" else "memory.oom_control"
-        try:
-            fields = dict(line.split() for line in (self.path / name).read_text().splitlines() if line.strip())
-        except FileNotFoundError:
-            return 0
-        return int(fields.get("oom_kill", 0))
+        return oom_kills(self.path, self.kind == "cgroup2")
 
     def peak(self) -> int | None:
         """Bytes at its highest so far (memory.peak needs Linux 5.19 on v2)."""

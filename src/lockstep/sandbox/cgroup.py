@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lockstep import cgroupfs
+from lockstep.cgroupfs import mounts, own_paths
 from lockstep.sandbox.types import Limits, SandboxError
 
 log = logging.getLogger("lockstep.sandbox")
@@ -81,31 +83,6 @@ class Host:
 
 
 # -- finding the hierarchies ------------------------------------------------------------------------
-def _unescape(field: str) -> str:
-    return field.encode().decode("unicode_escape") if "\\" in field else field
-
-
-def _mounts() -> list[tuple[str, str, str, set[str]]]:
-    """(mount point, mount root, fs type, super options) of every cgroup mount we see."""
-    out = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        left, _, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if len(fields) >= 5 and len(tail) >= 3 and tail[0] in ("cgroup", "cgroup2"):
-            out.append((_unescape(fields[4]), _unescape(fields[3]), tail[0], set(tail[2].split(","))))
-    return out
-
-
-def _own() -> dict[str, str]:
-    """Our cgroup path per v1 controller, and under "" the v2 one."""
-    out = {}
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        for c in controllers.split(",") if controllers else [""]:
-            out[c] = path
-    return out
-
-
 def _join(mount: str, root: str, path: str) -> Path | None:
     """The directory of cgroup `path` under a mount of hierarchy root `root` (None if outside it)."""
     if root != "/" and not (path == root or path.startswith(root.rstrip("/") + "/")):
@@ -137,8 +114,8 @@ def _v2_dir(operator: str) -> tuple[Path | None, str]:
         if not (d / "cgroup.controllers").is_file():
             return None, f"{ENV}={operator} is not a cgroup v2 directory"
         return d, ""
-    own = _own().get("")
-    for mount, root, fstype, _ in _mounts():
+    own = own_paths().get("")
+    for mount, root, fstype, _ in mounts():
         if fstype == "cgroup2" and own is not None:
             d = _join(mount, root, own)
             if d is not None and d.is_dir():
@@ -232,15 +209,15 @@ def _try_child(parent: Path) -> None:
 def _mount_root(d: Path) -> Path | None:
     """The mount point of the cgroup2 hierarchy `d` is in."""
     best = None
-    for mount, _, fstype, _ in _mounts():
+    for mount, _, fstype, _ in mounts():
         if fstype == "cgroup2" and (d == Path(mount) or Path(mount) in d.parents):
             best = Path(mount) if best is None or len(mount) > len(str(best)) else best
     return best
 
 
 def _v1() -> Host | str:
-    own, parents = _own(), {}
-    for mount, root, fstype, options in _mounts():
+    own, parents = own_paths(), {}
+    for mount, root, fstype, options in mounts():
         if fstype != "cgroup":
             continue
         for c in V1_NEED + V1_OPTIONAL:
@@ -387,16 +364,7 @@ class SandboxCgroup:
 
     def oom_kills(self) -> int:
         """Processes the kernel OOM-killed in this cgroup so far."""
-        m = self.dirs["memory"]
-        name = "memory.events" if self.host.version == 2 else "memory.oom_control"
-        try:
-            for line in (m / name).read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
-        except (OSError, ValueError):
-            pass
-        return 0
+        return cgroupfs.oom_kills(self.dirs["memory"], self.host.version == 2)
 
     @property
     def can_freeze(self) -> bool:
@@ -416,13 +384,7 @@ class SandboxCgroup:
             self.frozen = False
 
     def procs(self) -> list[int]:
-        out: set[int] = set()
-        for d in self._unique:
-            try:
-                out.update(int(p) for p in _read(d / "cgroup.procs").split())
-            except OSError:
-                pass
-        return sorted(out)
+        return sorted({pid for d in self._unique for pid in cgroupfs.procs(d)})
 
     def remove(self) -> None:
         """Kill whatever is left in the cgroup, wait for it to be gone, remove the directories."""
