@@ -167,6 +167,10 @@ class AdapterTrainer:
     def model(self) -> InvariantLM:
         return self.base.model
 
+    @property
+    def vocab_size(self) -> int:
+        return self.base.vocab_size
+
     # -- compute -----------------------------------------------------------------------------
     def forward(self, data: Sequence[Datum], loss_fn: str = "cross_entropy", loss_fn_config=None) -> ForwardBackwardOutput:
         return _one(packed.packed_forward(self.base, [TrainGroup(self, tuple(data), loss_fn, loss_fn_config)]))
