@@ -196,13 +196,18 @@ class Sampler:
         """
         if not requests:
             return []
+        self.check(requests)
+        with self.model.compute.scope():  # on a GPU, the decode state lives there too
+            return self._sample(requests, between_steps)
+
+    def check(self, requests: Sequence[SampleRequest]) -> None:
+        """EngineError naming what `sample(requests)` would refuse, before any compute: a caller
+        packing several clients' requests checks each alone, so that one cannot fail the others."""
         for i, r in enumerate(requests):
             check_tokens(r.prompt, self.vocab_size, f"request {i} prompt")
             self._check_stops(r, i)
             if r.adapter is not None:
                 self.model.check_adapter(r.adapter, f"request {i} adapter")
-        with self.model.compute.scope():  # on a GPU, the decode state lives there too
-            return self._sample(requests, between_steps)
 
     def _sample(self, requests, between_steps) -> list[SampleResult]:
         lora = _RowAdapters.of(requests)

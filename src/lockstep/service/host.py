@@ -28,8 +28,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from collections import Counter
+
+from lockstep.service.host_batches import PackedBatches, encode_forward, encode_sample, sample_request, train_data
 from lockstep.service.models_cache import BudgetError, ModelCache, tensor_bytes
-from lockstep.service.outcome import attempt
 
 log = logging.getLogger("lockstep.host")
 
@@ -102,7 +104,7 @@ class Spilled:
     """Whether gradients were pending (accumulated since the last optim_step) and saved too."""
 
 
-class EngineHost:
+class EngineHost(PackedBatches):
     def __init__(self, storage_url: str, cache_dir: str, threads: int, *, max_models: int = 16,
                  max_sessions: int = 32, max_skeletons: int = 4, fetch_cache_bytes: int = 4 << 30,
                  model_cache_bytes: int = 0, speculative: str = "off", draft_tokens: int = 4,
@@ -138,6 +140,9 @@ class EngineHost:
         if speculative != "off" and device != "cpu":
             raise HostError("--speculative needs --device cpu: speculative decoding runs on the CPU path only, for now")
         self.speculative, self.draft_tokens, self.draft_timeout = speculative, draft_tokens, draft_timeout
+        self.batch_stats: Counter = Counter()
+        """Packed engine calls made by run_batch (train_calls, sample_calls) and the members they
+        carried (train_packed_members, sample_packed_members): members that ran alone are not counted."""
 
     # -- what is held (read-only views, least recently used first) -------------------------------
     @property
@@ -279,18 +284,14 @@ class EngineHost:
         return self._forward_backward(model_id, wire.decode_forward_backward(body), forward_only)
 
     def _forward_backward(self, model_id: str, fb, forward_only: bool) -> tuple[bytes, int]:
-        from lockstep.engine.types import Datum, EngineError
-        from lockstep.service import wire
-
-        data = [Datum(d.model_input, d.loss_fn_inputs) for d in fb.data]
+        data = train_data(fb)
         trainer = self._trainer(model_id)
         try:
             run = trainer.forward if forward_only else trainer.forward_backward
             out = run(data, fb.loss_fn, fb.loss_fn_config)
-        except (EngineError, ValueError) as e:
+        except ValueError as e:  # EngineError, LossError
             raise HostError(str(e)) from None
-        tokens = sum(len(d.model_input) for d in data)
-        return wire.encode_forward_output(out.loss_fn_outputs, out.metrics), tokens
+        return encode_forward(out, data)
 
     def optim_step(self, model_id: str, adam: dict) -> dict:
         from lockstep.engine.types import AdamParams, EngineError
@@ -319,20 +320,7 @@ class EngineHost:
                 _save_weights(trainer, path)
             return self.storage.put_dir(path, key)
 
-    # -- packed batches --------------------------------------------------------------------------
-    def run_batch(self, kind: str, members) -> list:
-        """Run a batch of one kind ("forward", "forward_backward" or "sample"; service/packing.py),
-        each member on its own model or sampling session (BatchMember), which the caller has
-        readied. One result per member, in order: (result body, tokens), or the exception that
-        failed that member alone. Every member is checked before any runs, so a bad one (a token
-        id out of its model's vocabulary, a loss input missing, a session gone) touches nothing.
-
-        The members run one after another until the engine's packed forward lands; that call
-        replaces `_run_checked` here and nowhere else."""
-        checked = [attempt(self._check, kind, m) for m in members]
-        return [c if isinstance(c, Exception) else attempt(self._run_checked, kind, m.key, c)
-                for m, c in zip(members, checked)]
-
+    # -- packed batches (run_batch: host_batches.py) ---------------------------------------------
     def _check(self, kind: str, member):
         """What a member runs with, checked against the model it runs on (the stored payload is
         trusted no more than the API's input)."""
@@ -356,11 +344,6 @@ class EngineHost:
             wire.check_datum(i, d.model_input, d.loss_fn_inputs, vocab)
         wire.check_loss_inputs(fb)
         return fb
-
-    def _run_checked(self, kind: str, key: str, checked) -> tuple[bytes, int]:
-        if kind == "sample":
-            return self.sample(key, checked)
-        return self._forward_backward(key, checked, kind == "forward")
 
     # -- sampling --------------------------------------------------------------------------------
     def _skeleton(self, base_path: str, lora: dict | None) -> tuple:
@@ -458,33 +441,22 @@ class EngineHost:
                        auto=speculation["auto"], draft_timeout=self.draft_timeout), adapter
 
     def sample(self, session_id: str, body: dict) -> tuple[bytes, int]:
-        from lockstep.engine.types import EngineError, SampleRequest, SamplingParams
-        from lockstep.service import wire
+        """One sample request alone (run_batch packs those of shared sessions)."""
+        from lockstep.engine.types import EngineError
 
         if ("session", session_id) not in self.models:
             raise HostError(f"sampling session {session_id} is not open")
         self.models.use(("session", session_id))
         with self.models.pin(("session", session_id)) as session:
             sampler, adapter = self._session_sampler(session_id, session)
-            p = body["sampling_params"]
-            stop = p.get("stop")
-            stop = (stop,) if isinstance(stop, str) else (tuple(stop) if stop is not None else None)
-            prompt = wire.tokens_from_model_input(body["prompt"], "prompt")
             try:
-                params = SamplingParams(max_tokens=p.get("max_tokens") or 256, temperature=float(p.get("temperature", 1.0)),
-                                        top_p=float(p.get("top_p", 1.0)), top_k=int(p.get("top_k", -1)), stop=stop,
-                                        seed=p.get("seed"))
-                [res] = sampler.sample([SampleRequest(prompt, params, num_samples=int(body.get("num_samples", 1)),
-                                                      prompt_logprobs=bool(body.get("prompt_logprobs")),
-                                                      adapter=adapter)])
+                [res] = sampler.sample([sample_request(body, adapter)])
             except EngineError as e:
                 raise HostError(str(e)) from None
             finally:
                 if session.speculation is not None:  # this call's own sampler: its drafter thread ends with it
                     sampler.close()
-        seqs = [(s.tokens, s.logprobs, s.stop_reason) for s in res.sequences]
-        tokens = sum(len(s.tokens) for s in res.sequences)
-        return wire.encode_sample_response(seqs, res.prompt_logprobs), tokens
+        return encode_sample(res)
 
 
 def trainer_bytes(trainer) -> int:
