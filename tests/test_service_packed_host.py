@@ -10,6 +10,7 @@ import pytest
 
 from lockstep.service import wire
 from lockstep.service.types import BatchMember
+from test_service_batches import executor_and_api  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
 
@@ -265,3 +266,40 @@ def test_a_batch_s_models_stay_resident_under_memory_pressure(tmp_path, builtin_
         wa, wb = free._trainer(mid).weights_numpy(), tight._trainer(mid).weights_numpy()
         assert all(np.array_equal(wa[k], wb[k]) for k in wa), mid
 
+
+
+def test_the_executor_runs_a_claimed_batch_as_one_packed_call(executor_and_api, builtin_dir, monkeypatch, tmp_path):
+    """Through the API, the store and a real Executor: three tenants' shared-base LoRA clients each
+    queue a forward_backward; the Executor claims them as one batch and the host runs ONE
+    packed_forward_backward; each stored result is the bytes of its request alone on a fresh host."""
+    from lockstep.engine import packed
+    from test_service_api import post
+    from test_service_batches import drain, post_fb, row
+
+    ex, client, sessions, key_a, key_b = executor_and_api
+    lora = {"rank": 4, "seed": 3, "train_unembed": False}
+    mids = []
+    for key in (key_a, key_b, key_a):
+        sid = post(client, "create_session", key, {"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
+        r = post(client, "create_model", key, {"session_id": sid, "model_seq_id": 0, "base_model": "lockstep/tiny",
+                                               "lora_config": lora})
+        assert r.status_code == 200, r.text
+        mids.append(r.json()["model_id"])
+    drain(ex)
+    toks = {mid: tuple(range(5 + i, 12 + 2 * i)) for i, mid in enumerate(mids)}
+    rids = {mid: post_fb(client, key, mid, 1, toks[mid]) for mid, key in zip(mids, (key_a, key_b, key_a))}
+    calls = Calls(monkeypatch, packed, "packed_forward_backward")
+    with sessions() as s:
+        claim = ex.packer.claim(s, ex.id)
+    assert {m.id for m in claim.members} == set(rids.values())
+    ex.run(claim)
+    assert calls.sizes == [3]
+    monkeypatch.undo()
+    from test_service_api import fwdbwd
+
+    for mid, rid in rids.items():
+        done = row(sessions, rid)
+        assert done.state == "done", done.error
+        fresh = make_host(tmp_path, f"fresh-{mid}")
+        fresh.create_model(mid, builtin_dir, lora)
+        assert done.result == fresh.forward_backward(mid, fwdbwd(mid, 1, tokens=toks[mid]), False)[0]
