@@ -24,11 +24,11 @@ import time
 import numpy as np
 
 sys.path.insert(0, "bench")
-from common import machine, model_dir  # noqa: E402
+from common import machine, model_dir
 
-from lockstep.service import wire  # noqa: E402
-from lockstep.service.host import EngineHost  # noqa: E402
-from lockstep.service.types import BatchMember  # noqa: E402
+from lockstep.service import wire
+from lockstep.service.host import EngineHost
+from lockstep.service.types import BatchMember
 
 LORA = {"rank": 16, "train_unembed": False}
 FB_ROWS, FB_TOKENS = 4, 32

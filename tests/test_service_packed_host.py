@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_service_batches import executor_and_api  # noqa: F401 - a fixture
 
 from lockstep.service import wire
 from lockstep.service.types import BatchMember
-from test_service_batches import executor_and_api  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
 
@@ -31,7 +31,7 @@ def make_host(tmp_path, name: str, **kw):
     return EngineHost(str(tmp_path / name / "storage"), str(tmp_path / name / "cache"), 1, **kw)
 
 
-def request(model_id: str, i: int, *, weights=None) -> bytes:
+def fb_request(model_id: str, i: int, *, weights=None) -> bytes:
     """A forward_backward body of two or three datums of different lengths (seeded by i)."""
     rng = np.random.default_rng(i)
     data = []
@@ -83,7 +83,7 @@ def test_a_mixed_training_batch_is_one_packed_call_with_the_alone_bytes(tmp_path
         host.create_model(mid, builtin_dir, lora)
     fb_calls = Calls(monkeypatch, packed, "packed_forward_backward")
     fwd_calls = Calls(monkeypatch, packed, "packed_forward")
-    steps = {mid: [("forward_backward", request(mid, i)), ("optim_step", None), ("forward", request(mid, 10 + i))]
+    steps = {mid: [("forward_backward", fb_request(mid, i)), ("optim_step", None), ("forward", fb_request(mid, 10 + i))]
              for i, mid in enumerate(models)}
     got = {mid: [] for mid in models}
     for s in range(3):
@@ -117,16 +117,17 @@ def test_a_hostile_member_fails_alone_inside_the_packed_call(tmp_path, builtin_d
 
     host = make_host(tmp_path, "packed")
     honest = ("a", "b", "c")
-    hostile = {"inf": request("inf", 7, weights=[3e38] * 14),
+    hostile = {"inf": fb_request("inf", 7, weights=[3e38] * 14),
                "oov": wire.encode_forward_backward(wire.FwdBwd("oov", 1, (wire.WireDatum(
                    (5, 10**6), {"target_tokens": np.asarray([5, 6]), "weights": np.ones(2, np.float32)}),),
                    "cross_entropy", {}, False)),
-               "nan": request("nan", 8, weights=[float("nan")] * 14)}
+               "nan": fb_request("nan", 8, weights=[float("nan")] * 14)}
     for mid in (*honest, *hostile):
         host.create_model(mid, builtin_dir, LORAS.get(mid, LORAS["d"]))
     calls = Calls(monkeypatch, packed, "packed_forward_backward")
-    members = [BatchMember("inf", hostile["inf"]), BatchMember("a", request("a", 0)), BatchMember("oov", hostile["oov"]),
-               BatchMember("b", request("b", 1)), BatchMember("nan", hostile["nan"]), BatchMember("c", request("c", 2))]
+    members = [BatchMember("inf", hostile["inf"]), BatchMember("a", fb_request("a", 0)),
+               BatchMember("oov", hostile["oov"]), BatchMember("b", fb_request("b", 1)),
+               BatchMember("nan", hostile["nan"]), BatchMember("c", fb_request("c", 2))]
     results = dict(zip([m.key for m in members], host.run_batch("forward_backward", members)))
     assert calls.sizes == [4]  # inf went into the packed call with the honest three; oov and nan were refused first
     assert "loss is inf" in str(results["inf"]) and "outside the vocabulary" in str(results["oov"])
@@ -137,7 +138,7 @@ def test_a_hostile_member_fails_alone_inside_the_packed_call(tmp_path, builtin_d
                                                      [("forward_backward", hostile[mid])])[0][0]
         assert all(p.grad is None for p in host._trainer(mid).params.values())
     for i, mid in enumerate(honest):
-        responses, _ = alone(tmp_path, builtin_dir, mid, LORAS[mid], [("forward_backward", request(mid, i))])
+        responses, _ = alone(tmp_path, builtin_dir, mid, LORAS[mid], [("forward_backward", fb_request(mid, i))])
         assert results[mid] == responses[0]
         assert any(p.grad is not None and p.grad.any() for p in host._trainer(mid).params.values())
 
@@ -155,7 +156,7 @@ def open_sessions(host, builtin_dir, models: dict) -> None:
     """Each model trained one step, then a sampling session on its weights; and one on the bare base."""
     for mid, lora in models.items():
         host.create_model(mid, builtin_dir, lora)
-        host.forward_backward(mid, request(mid, ord(mid)), False)
+        host.forward_backward(mid, fb_request(mid, ord(mid)), False)
         host.optim_step(mid, ADAM)
         host.snapshot_session(mid, f"s-{mid}", f"snap/{mid}", builtin_dir, lora)
     host.open_session("s-bare", builtin_dir, None, None)
@@ -254,7 +255,7 @@ def test_a_batch_s_models_stay_resident_under_memory_pressure(tmp_path, builtin_
             host.create_model(mid, builtin_dir, {**LORAS["a"], "seed": ord(mid)})
     assert len(tight.spilled) == 2
     calls = Calls(monkeypatch, packed, "packed_forward_backward")
-    members = [BatchMember(mid, request(mid, i)) for i, mid in enumerate(mids)]
+    members = [BatchMember(mid, fb_request(mid, i)) for i, mid in enumerate(mids)]
     got = tight.run_batch("forward_backward", members)
     assert calls.sizes == [3]
     assert tight.models.total <= tight.models.budget and len(tight.spilled) == 2
@@ -268,15 +269,16 @@ def test_a_batch_s_models_stay_resident_under_memory_pressure(tmp_path, builtin_
 
 
 
-def test_the_executor_runs_a_claimed_batch_as_one_packed_call(executor_and_api, builtin_dir, monkeypatch, tmp_path):
+def test_the_executor_runs_a_claimed_batch_as_one_packed_call(request, builtin_dir, monkeypatch, tmp_path):
     """Through the API, the store and a real Executor: three tenants' shared-base LoRA clients each
     queue a forward_backward; the Executor claims them as one batch and the host runs ONE
     packed_forward_backward; each stored result is the bytes of its request alone on a fresh host."""
-    from lockstep.engine import packed
     from test_service_api import post
     from test_service_batches import drain, post_fb, row
 
-    ex, client, sessions, key_a, key_b = executor_and_api
+    from lockstep.engine import packed
+
+    ex, client, sessions, key_a, key_b = request.getfixturevalue("executor_and_api")
     lora = {"rank": 4, "seed": 3, "train_unembed": False}
     mids = []
     for key in (key_a, key_b, key_a):

@@ -25,12 +25,17 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from collections import Counter
-
-from lockstep.service.host_batches import PackedBatches, encode_forward, encode_sample, sample_request, train_data
+from lockstep.service.host_batches import (
+    PackedBatches,
+    encode_forward,
+    encode_sample,
+    sample_request,
+    train_data,
+)
 from lockstep.service.models_cache import BudgetError, ModelCache, tensor_bytes
 
 log = logging.getLogger("lockstep.host")
