@@ -35,7 +35,7 @@ def test_every_sampled_token_is_bitwise_equal(which, path, qwen2_dir, tmp_path):
     assert not report["moe"] and report["routing_compared"] == 0
 
 
-@pytest.mark.parametrize("drafter,path", [("suffix", "fused"), pytest.param("suffix", "eager", marks=pytest.mark.slow),
+@pytest.mark.parametrize("drafter,path", [pytest.param("suffix", "fused", marks=pytest.mark.slow), pytest.param("suffix", "eager", marks=pytest.mark.slow),
                                          pytest.param("model", "fused", marks=pytest.mark.slow)])
 def test_speculative_decoding_keeps_every_token_bitwise_equal(drafter, path, tmp_path):
     """`--speculative suffix|model`: the sampler verifies drafted tokens in its forward; every

@@ -104,7 +104,7 @@ def test_multi_turn_episodes_run_in_the_loop(tmp_path, builtin_dir):
     check_ledger(tmp_path / "run", 4, 4)
 
 
-@pytest.mark.parametrize("drafter,env", [("suffix", "arithmetic"), pytest.param("suffix", "long_addition", marks=pytest.mark.slow),
+@pytest.mark.parametrize("drafter,env", [pytest.param("suffix", "arithmetic", marks=pytest.mark.slow), pytest.param("suffix", "long_addition", marks=pytest.mark.slow),
                                               pytest.param("model", "long_addition", marks=pytest.mark.slow)])
 def test_speculative_decoding_in_the_loop_keeps_logprobs_exact(tmp_path, builtin_dir, drafter, env):
     """rollout.speculative.drafter = "suffix" (drafts from the group's other samples and earlier
@@ -289,6 +289,7 @@ def test_a_restarted_actor_refuses_the_calls_that_need_its_lost_state(builtin_di
         ray.kill(actor)
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_a_crashed_trainer_resumes_from_its_last_checkpoint(tmp_path, builtin_dir, reference):
     d, summary = run_and_kill(tmp_path, builtin_dir, "trainer", when=lambda d: rl_steps_logged(d) >= 5)
     assert summary["counters"]["runtime/resumes"] == 1 and summary["counters"]["runtime/rollbacks"] == 1

@@ -117,6 +117,7 @@ def test_a_swap_mid_decode_stalls_its_replica_once_and_a_hold_stops_it(builtin_d
         ray.kill(gen), ray.kill(trainer)
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_after_a_rollback_an_idle_replica_takes_the_new_branch_at_the_same_version(builtin_dir, tmp_path):
     """The trainer publishes version 1, rolls back to its version-0 checkpoint and publishes
     version 0 and then version 1 of another branch. A replica idle since the rollback holds only

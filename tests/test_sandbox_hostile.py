@@ -530,6 +530,7 @@ def test_limits_validation_is_clear():
 
 
 # -- the shipped problems ------------------------------------------------------------------------------
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_shipped_problems_grade_right():
     """Every shipped problem's reference solution gets reward 1; wrong programs (the entry point
     returning None, or its first argument) less."""

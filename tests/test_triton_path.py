@@ -80,6 +80,7 @@ def test_bf16_computes_in_bf16_over_float32_master_weights(micro_dir):
     assert 0 < diff < 0.1  # bf16 rounding shows, and stays small on a random micro model
 
 
+@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_training_on_the_triton_path_matches_the_cpu_kernels(micro_dir):
     """float32: the Triton path's loss and gradients agree with the CPU path's to rounding (their
     kernels sum in other orders), and steps lower the loss."""
