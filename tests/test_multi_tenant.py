@@ -428,13 +428,12 @@ def micro_dir(tmp_path_factory):
     return str(save_model_dir(tmp_path_factory.mktemp("micro"), cfg, seed=3))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16"])
+@pytest.mark.slow  # the interpreter: ~2.5 min a dtype on 2 cores
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_on_the_triton_path_packed_equals_alone(micro_dir, dtype):
     """The CUDA path's kernels under Triton's interpreter (a micro model): mixed-adapter sampling and
-    packed training give each tenant its alone bits. bfloat16 only: the interpreter's tl.dot is
-    numpy's, and OpenBLAS's sgemm gives a row other bits at another position in a tile, so float32
-    rows are not invariant under the interpreter even on the bare base (main's too; a GPU runs each
-    output's K loop alike, the rule of triton_kernels.py). bf16 tiles go in as exact fp32 products."""
+    packed training give each tenant its alone bits, in float32 and bfloat16 (the interpreter's
+    products are summed position-invariantly: triton_kernels._dot)."""
     base = SharedBase.from_pretrained(micro_dir, compute=Compute("cpu", dtype, kernels="triton"))
     assert base.model.path == "triton"
     ts = [AdapterTrainer(base, LoraSpec(rank=r, target_modules=targets, seed=r), name=f"t{r}")
