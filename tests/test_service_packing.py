@@ -123,7 +123,7 @@ def test_fairness_forgets_idle_time():
 @st.composite
 def workloads(draw):
     tenants = draw(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=6, unique=True))
-    heads, models = [], {}
+    heads = []
     for o in range(1, draw(st.integers(1, 40)) + 1):
         t = draw(st.sampled_from(tenants))
         kind = draw(st.sampled_from([FB, FB, FB, SAMPLE, SAMPLE, OPTIM]))

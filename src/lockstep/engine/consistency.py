@@ -253,7 +253,7 @@ def run_tenants(model_dir: str, *, tenants: int = 4, seed: int = 0, max_tokens: 
     must be equal. Trainer: each model's forward and forward_backward alone, then packed in one
     call (groups in random order): logprobs, losses, metrics and adapter gradients must be equal,
     and the packed logprobs of the sampled tokens must equal the sampler's. Returns the counts."""
-    from lockstep.engine.adapters import AdapterTrainer, SharedBase
+    from lockstep.engine.adapters import SharedBase
 
     if not isinstance(tenants, int) or tenants < 1:
         raise EngineError(f"tenants must be an integer >= 1, got {tenants!r}")

@@ -187,7 +187,6 @@ class _RowLoraFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y2, plan: _Plan, *xs_and_params):
-        n = len(plan.targets)
         x2 = xs_and_params[0]
         ctx.plan = plan
         ctx.save_for_backward(x2)
