@@ -72,3 +72,38 @@ def test_unsupported_model_fails_cleanly(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lockstep.cli", "check", "consistency", "--model", str(tmp_path / "m")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unsupported architecture" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    from conftest import random_arch_dir
+
+    return random_arch_dir(tmp_path_factory, "qwen3")
+
+
+@pytest.mark.parametrize("which,path,drafter", [
+    ("builtin", "fused", "off"), ("builtin", "eager", "off"), ("qwen3", "fused", "off"),
+    pytest.param("builtin", "fused", "suffix", marks=pytest.mark.slow),  # in-process: test_multi_tenant.py
+    pytest.param("qwen3", "eager", "off", marks=pytest.mark.slow)])
+def test_four_tenants_packed_get_their_alone_bits(which, path, drafter, qwen3_dir, tmp_path):
+    """The gate of issue 28: `--tenants 4` (ranks 4, 1, 8, 2 on different target sets, and rows on
+    the bare base) packed against alone: every sampled token and logprob, every trainer logprob,
+    loss, metric and gradient element bitwise equal, on the fused kernels and the eager fallback,
+    the built-in model and a tiny Qwen3 (q/k norms, head_dim 24: projections of other shapes)."""
+    args = ["--tenants", "4", "--speculative", drafter] + ([] if which == "builtin" else ["--model", qwen3_dir])
+    code, report = _check(*args, home=tmp_path, LOCKSTEP_KERNELS=path)
+    assert code == 0 and report["ok"], report
+    assert report["path"] == path and report["tenants"] == 4
+    assert [a["rank"] for a in report["adapters"]] == [4, 1, 8, 2]
+    assert len({tuple(a["targets"]) for a in report["adapters"]}) == 4
+    sampler = report["sampler"]
+    assert sampler["tokens_bitwise_equal"] == sampler["tokens_compared"] >= 100
+    for kind, parts in report["trainer"].items():
+        for what, c in parts.items():
+            assert c["equal"] == c["compared"] > 0, (kind, what)
+    assert report["trainer"]["forward_backward"]["grads"]["compared"] >= 10_000
+    vs = report["sampler_vs_trainer"]
+    assert vs["tokens_bitwise_equal"] == vs["tokens_compared"] >= 100
+    assert report["prefix_groups"] >= 1  # a tenant's shared prompt took the trainer's prefix path
+    if drafter != "off":
+        assert report["speculative"]["accepted"] > 0

@@ -283,13 +283,14 @@ def test_unsupported_loss_is_a_clear_user_error(server):
         tc.forward_backward([sft_datum(tok, "1+1=", "02")], "stable_reinforce").result()
 
 
-def reference_logprobs(base_dir, data, steps: int, lr: float, seed: int) -> list[np.ndarray]:
-    """What `steps` identical SFT steps give in-process: the server must match it exactly."""
+def reference_logprobs(base_dir, data, steps: int, lr: float, seed: int, **lora) -> list[np.ndarray]:
+    """What `steps` identical SFT steps give in-process, on a peft Trainer (a private copy of the
+    model): the server must match it exactly. lora: more of the SDK's LoRA options (train_unembed)."""
     from lockstep.engine.trainer import Trainer
     from lockstep.engine.types import AdamParams, Datum
     from lockstep.service.host import lora_spec
 
-    trainer = Trainer.from_pretrained(base_dir, lora=lora_spec({"rank": 4, "seed": seed}))
+    trainer = Trainer.from_pretrained(base_dir, lora=lora_spec({"rank": 4, "seed": seed, **lora}))
     ds = [Datum(tuple(d.model_input.to_ints()), {k: v.to_numpy() for k, v in d.loss_fn_inputs.items()}) for d in data]
     for _ in range(steps):
         trainer.forward_backward(ds, "cross_entropy")

@@ -96,13 +96,15 @@ def tight(tmp_path_factory):
     srv.stop()
 
 
-@pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
-def test_models_evicted_from_memory_continue_bit_for_bit(tight, builtin_dir):
-    """Two models trained in turn on a host that holds one: each is dropped and rebuilt (durable
-    state + replay) at every switch, and ends exactly where an uninterrupted run does."""
+@pytest.mark.parametrize("lora", [pytest.param({}, marks=pytest.mark.slow), {"train_unembed": False}],
+                         ids=["private-copy", "shared-base"])  # slow: time
+def test_models_evicted_from_memory_continue_bit_for_bit(tight, builtin_dir, lora):
+    """Two models trained in turn on a host that holds one: each is spilled and rebuilt at every
+    switch, and ends exactly where an uninterrupted run on a peft Trainer does; a LoRA without
+    lm_head runs on the worker's shared base (an AdapterTrainer), the same bits end to end."""
     sc = tinker.ServiceClient(base_url=tight.url, api_key=tight.keys["dana"])
-    a = sc.create_lora_training_client(base_model="lockstep/tiny", rank=4, seed=5).result()
-    b = sc.create_lora_training_client(base_model="lockstep/tiny", rank=4, seed=6).result()
+    a = sc.create_lora_training_client(base_model="lockstep/tiny", rank=4, seed=5, **lora).result()
+    b = sc.create_lora_training_client(base_model="lockstep/tiny", rank=4, seed=6, **lora).result()
     tok = a.get_tokenizer()
     data = [sft_datum(tok, f"{x}+{y}=", f"{x + y:02d}") for x in range(4) for y in range(4)]
     adam = types.AdamParams(learning_rate=1e-2)
@@ -113,7 +115,7 @@ def test_models_evicted_from_memory_continue_bit_for_bit(tight, builtin_dir):
             tc.optim_step(adam).result()
     got = {seed: logprobs(tc.forward(data, "cross_entropy").result()) for seed, tc in ((5, a), (6, b))}
     for seed in (5, 6):
-        want = reference_logprobs(builtin_dir, data, steps=3, lr=1e-2, seed=seed)
+        want = reference_logprobs(builtin_dir, data, steps=3, lr=1e-2, seed=seed, **lora)
         assert all((x == y).all() for x, y in zip(got[seed], want))
     # Samplers too: two snapshots alternately, each reopened from storage after an eviction.
     s1, s2 = a.save_weights_and_get_sampling_client(), b.save_weights_and_get_sampling_client()
@@ -292,8 +294,8 @@ def test_speculative_sampling_sessions_answer_exactly_as_plain_ones(tmp_path, bu
                          for i in range(4) for s in ("s1", "s2")]
     assert replies[drafter] == replies["off"]
     spec = hosts[drafter]
-    s1, s2 = spec.sessions["s1"][3], spec.sessions["s2"][3]
+    s1, s2 = spec.sessions["s1"].speculation, spec.sessions["s2"].speculation
     assert s1["drafter"] is not s2["drafter"] and s1["auto"] is not s2["auto"] and s1["auto"].observed > 0
-    assert hosts["off"].sessions["s1"][3] is None
+    assert hosts["off"].sessions["s1"].speculation is None
     with pytest.raises(HostError, match="unknown drafter"):
         EngineHost(str(tmp_path / "x"), str(tmp_path / "y"), 1, speculative="tree")

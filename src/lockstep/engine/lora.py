@@ -1,7 +1,9 @@
 """LoRA through peft, and weight export for samplers outside lockstep.
 
 Export writes into a temporary directory and commits it atomically (see checkpoint_io), so a
-reader never sees a half-written model directory.
+reader never sees a half-written model directory. An adapter on a shared base
+(engine/adapters.py) exports to the same two formats as a peft-wrapped Trainer: a PEFT adapter
+directory (peft's file names, keys and config) and a merged HF directory (peft's merge).
 """
 
 from __future__ import annotations
@@ -75,3 +77,51 @@ def export(trainer, path, *, kind: str = "merged", overwrite: bool = False) -> P
 
     meta = {"format": "lockstep-export", "kind": kind, "base_model": trainer.base_model, "step": trainer.step}
     return _write_dir(path, overwrite, fill, meta)
+
+
+def export_shared(trainer, path, *, kind: str = "merged", overwrite: bool = False) -> Path:
+    """export() for an AdapterTrainer: its adapter in PEFT's format (kind="adapter"), or folded into a
+    copy of the shared base's weights as peft's merge folds it (kind="merged"); the base itself is
+    never modified."""
+    if kind not in ("merged", "adapter"):
+        raise EngineError(f"export kind must be 'merged' or 'adapter', got {kind!r}")
+    base, spec = trainer.base, trainer.lora
+
+    def fill(tmp: Path) -> None:
+        if kind == "adapter":
+            _write_peft_adapter(tmp, base, trainer.adapter, spec)
+        else:
+            base.hf_model.save_pretrained(tmp, state_dict=_merged_state(base, trainer.adapter), safe_serialization=True)
+        trainer.tokenizer.save_pretrained(tmp)
+
+    meta = {"format": "lockstep-export", "kind": kind, "base_model": trainer.base_model, "step": trainer.step}
+    return _write_dir(path, overwrite, fill, meta)
+
+
+def _write_peft_adapter(tmp: Path, base, adapter, spec: LoraSpec) -> None:
+    """adapter_config.json and adapter_model.safetensors as PeftModel.save_pretrained writes them."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules), lora_dropout=0.0,
+                        bias="none", task_type="CAUSAL_LM",
+                        base_model_name_or_path=base.hf_model.config.name_or_path or None)
+    config.save_pretrained(str(tmp))
+    tensors = {}
+    for (layer, target), f in adapter.factors.items():
+        stem = f"base_model.model.{base.module_name(layer, target)}"
+        tensors[f"{stem}.lora_A.weight"] = f.a.detach().cpu().contiguous()
+        tensors[f"{stem}.lora_B.weight"] = f.b.detach().cpu().contiguous()
+    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def _merged_state(base, adapter) -> dict[str, torch.Tensor]:
+    """The base's state dict with each targeted weight W replaced by W + (B @ A) * scaling, peft's
+    merge (get_delta_weight, then W += delta) on a copy."""
+    state = dict(base.hf_model.state_dict())
+    with torch.no_grad():
+        for (layer, target), f in adapter.factors.items():
+            key = f"{base.module_name(layer, target)}.weight"
+            state[key] = state[key] + (f.b.detach() @ f.a.detach()) * f.scaling
+    moved: dict[int, torch.Tensor] = {}  # tied weights (embeddings and LM head) stay one tensor
+    return {k: moved[id(v)] if id(v) in moved else moved.setdefault(id(v), v.detach().cpu()) for k, v in state.items()}

@@ -9,11 +9,16 @@ this forward too and its logprobs equal the sampler's bit for bit.
 Projections that read the same input are fused (q|k|v and gate|up), in both uses alike, so a
 decode step makes 4 matmul calls per layer instead of 7. Outside autograd the fused weights are
 cached and re-derived whenever a parameter's in-place version counter moves.
+
+LoRA: a call may name an adapter per row (`adapters`, an AdapterAssignment: one frozen base serving
+many tenants); each row then gets its own adapter's update after every product (engine/multi_lora.py).
+A peft-wrapped model's own adapter goes through the same code, on every row.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -23,8 +28,9 @@ import torch.nn.functional as F
 from lockstep.engine import invariant as inv
 from lockstep.engine.device import CPU, Compute
 from lockstep.engine.invariant import KEY_BLOCK, ROW_TILE, round_up
+from lockstep.engine.multi_lora import GROUPS, TARGETS, RowLora, check_adapter
 from lockstep.engine.rows import copy_rows
-from lockstep.engine.types import EngineError
+from lockstep.engine.types import AdapterAssignment, AdapterWeights, EngineError, LoraFactors, LoraSpec
 
 
 @dataclass
@@ -91,20 +97,6 @@ def apply_linear(module, x: torch.Tensor, linear=inv.linear) -> torch.Tensor:
     return y if d is None else y + d
 
 
-def apply_fused(modules, fused: tuple[torch.Tensor, torch.Tensor | None], x: torch.Tensor,
-                linear=inv.linear) -> torch.Tensor:
-    """Several linears over the same x as one matmul; LoRA updates are added per slice."""
-    y = linear(x, *fused)
-    deltas = [lora_delta(m, x, linear) for m in modules]
-    if all(d is None for d in deltas):
-        return y
-    parts = [
-        d if d is not None else x.new_zeros(*x.shape[:-1], _base(m).weight.shape[0])
-        for m, d in zip(modules, deltas)
-    ]
-    return y + torch.cat(parts, dim=-1)
-
-
 def _fuse(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
     bases = [_base(m) for m in modules]
     weight = torch.cat([b.weight for b in bases], dim=0)
@@ -150,6 +142,11 @@ class InvariantLM:
         self._plan = [_LayerPlan.of(layer) for layer in self.inner.layers]
         """Each layer's modules, looked up once: nn.Module attribute access costs ~1 us, some 300
         times per decode step otherwise."""
+        self._widths = [_group_widths(lp) for lp in self._plan]
+        """Each layer's projection groups' output sizes (engine/multi_lora.py GROUPS)."""
+        self._peft_adapter: tuple[tuple, AdapterWeights] | None = None
+        self._checked: "weakref.WeakSet[AdapterWeights]" = weakref.WeakSet()
+        """Adapters already checked against this base's shapes."""
         self._router_counts: dict[int, torch.Tensor] | None = None
         """Tokens (x top-k slots) each expert took, per MoE layer, since reset_router_counts(); None
         (not counted) until a trainer asks."""
@@ -278,12 +275,14 @@ class InvariantLM:
         tokens_BT: torch.Tensor,
         positions_BT: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        adapters: AdapterAssignment | None = None,
     ) -> torch.Tensor:
         """Final normed hidden states (B, T, hidden).
 
         Without a cache, row b is a sequence starting at position 0 (positions must be None).
         With a cache, token (b, t) is written to the cache at positions_BT[b, t] and attends to
-        every cached position <= its own.
+        every cached position <= its own. `adapters`: the LoRA adapter of each row (a shared base's
+        tenants), or None (a peft model's own adapter, or the bare base).
         """
         B, T = tokens_BT.shape
         if cache is None:
@@ -291,9 +290,10 @@ class InvariantLM:
             positions_BT = torch.arange(T).expand(B, T)
         if self.routing is not None:
             self.routing.start_call()
+        rl = self._row_lora(adapters, B, T)
         if self.path != "eager":
             device = self.compute.device
-            return self._hidden_fused(tokens_BT.to(device), positions_BT.to(device), cache)
+            return self._hidden_fused(tokens_BT.to(device), positions_BT.to(device), cache, rl)
         max_position = int(positions_BT.max())  # one sync per forward, shared by rope and the mask
         cos, sin = self.rope(positions_BT, max_position)  # (B, T, D)
         kv_len = round_up(max_position + 1, KEY_BLOCK)
@@ -303,17 +303,86 @@ class InvariantLM:
         x = F.embedding(tokens_BT, self.inner.embed_tokens.weight)
         for i, layer in enumerate(self.inner.layers):
             h = inv.rms_norm(x, layer.input_layernorm.weight, self.eps)
-            x = x + self._attention(i, layer.self_attn, h, ctx)
+            x = x + self._attention(i, layer.self_attn, h, ctx, rl)
             h = inv.rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
-            x = x + self._mlp(i, layer.mlp, h)
+            x = x + self._mlp(i, layer.mlp, h, rl)
         return inv.rms_norm(x, self.inner.norm.weight, self.eps)
 
-    def _hidden_fused(self, tokens_BT, positions_BT, cache: KVCache | None) -> torch.Tensor:
+    # -- per-row LoRA --------------------------------------------------------------------------
+    def _row_lora(self, adapters: AdapterAssignment | None, batch: int, length: int) -> RowLora | None:
+        """The call's per-row adapters: the assignment's, else a peft model's own on every row."""
+        peft = self._peft_own_adapter()
+        if adapters is None:
+            if peft is None:
+                return None
+            adapters, implicit = AdapterAssignment((peft,), (0,) * batch), True
+        else:
+            for a in adapters.adapters:
+                self.check_adapter(a)
+            implicit = False
+        return RowLora(adapters, batch, length, device=self.compute.device, num_layers=len(self._plan),
+                       implicit=implicit)
+
+    def check_adapter(self, adapter: AdapterWeights, what: str = "adapter") -> None:
+        """EngineError unless the adapter fits this base (checked once per adapter object)."""
+        if adapter in self._checked if isinstance(adapter, AdapterWeights) else False:
+            return
+        if self._lora_modules:
+            raise EngineError("this model carries its own LoRA adapter (peft); per-row adapters need a bare base")
+        check_adapter(adapter, self.projection_shapes(), device=torch.device(self.compute.device), what=what)
+        self._checked.add(adapter)
+
+    def projection_shapes(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """(layer, target) -> (in, out) of every projection an adapter may target (dense layers)."""
+        out = {}
+        for i, lp in enumerate(self._plan):
+            if lp.moe is None:
+                for t, m in zip(TARGETS, lp.projections):
+                    out[(i, t)] = (_base(m).weight.shape[1], _base(m).weight.shape[0])
+        return out
+
+    def _peft_own_adapter(self) -> AdapterWeights | None:
+        """A peft model's active adapter as an AdapterWeights over its very parameters (rebuilt when
+        a layer's adapter state or a parameter object changes), or None."""
+        if not self._lora_modules:
+            return None
+        parts = {}
+        for i, lp in enumerate(self._plan):
+            if lp.moe is not None:
+                continue
+            for t, m in zip(TARGETS, lp.projections):
+                found = _lora_parts(m)
+                if len(found) > 1:
+                    raise EngineError(f"layer {i} {t} has {len(found)} active LoRA adapters; lockstep runs one")
+                if found:
+                    parts[(i, t)] = found[0]
+        if not parts:
+            return None
+        key = tuple((k, id(a), id(b), s) for k, (a, b, s) in parts.items())
+        if self._peft_adapter is None or self._peft_adapter[0] != key:
+            (a0, _, s0), rank = next(iter(parts.values())), next(iter(parts.values()))[0].shape[0]
+            spec = LoraSpec(rank=rank, alpha=float(s0) * rank, target_modules=tuple(sorted({t for _, t in parts})))
+            factors = {k: LoraFactors(a, b, float(s)) for k, (a, b, s) in parts.items()}
+            self._peft_adapter = (key, AdapterWeights("peft", 0, spec, factors))
+        return self._peft_adapter[1]
+
+    def _project(self, i: int, group: str, modules, x: torch.Tensor, rl: RowLora | None, fused=None) -> torch.Tensor:
+        """The group's base product of x (one fused matmul for several projections), plus each row's
+        LoRA update."""
+        if fused is None:
+            base = _base(modules[0])
+            fused = (base.weight, base.bias)
+        y = self._lin(x, *fused)
+        if rl is None:
+            return y
+        return rl.project(i, group, y, x, self._widths[i][group], self._lin, self.path == "fused")
+
+    def _hidden_fused(self, tokens_BT, positions_BT, cache: KVCache | None, rl: RowLora | None) -> torch.Tensor:
         """hidden_states on the fused kernels (C++ on CPU, or Triton): per layer one norm (fused
         with the residual add), the q|k|v and gate|up matmuls, one rope, one attention, one SiLU*up
         and two more matmuls. Outside autograd a dense model on the C++ kernels runs all its layers
         in one call (kernels/stack.cpp), which composes the same kernels in the same order."""
-        fused, lin = self.ops, self._lin
+        fused = self.ops
 
         cos, sin = self.rope(positions_BT, int(positions_BT.max()))
         cos, sin = inv.rope_tables(cos, sin)
@@ -321,25 +390,29 @@ class InvariantLM:
         if not torch.is_grad_enabled():
             self._refresh_derived()
             if self._stack is not None:  # every layer in one call: the same kernels, the same bits
-                return self._stack.forward(x, positions_BT, cos, sin, cache.k if cache else [], cache.v1 if cache else [])
+                tables, rows = rl.stack_args() if rl is not None and not rl.implicit else ([], _NO_ROWS)
+                return self._stack.forward(x, positions_BT, cos, sin, cache.k if cache else [], cache.v1 if cache else [],
+                                           tables, rows)
         plan = self._plan
         h = fused.rms_norm(x, plan[0].in_norm["weight"], self.eps)
         for i, lp in enumerate(plan):
-            a = self._attention_fused(i, lp, h, positions_BT, cos, sin, cache)
+            a = self._attention_fused(i, lp, h, positions_BT, cos, sin, cache, rl)
             x, h = fused.add_rms_norm(x, a, lp.post_norm["weight"], self.eps)
             if lp.moe is not None:
                 m = self._moe(i, lp.moe, h, fused.silu_mul)
             else:
-                m = apply_linear(lp.down, fused.silu_mul(apply_fused(lp.mlp, self.fused(f"mlp{i}", lp.mlp), h, lin)), lin)
+                gate_up = self._project(i, "mlp", lp.mlp, h, rl, self.fused(f"mlp{i}", lp.mlp))
+                m = self._project(i, "down", (lp.down,), fused.silu_mul(gate_up), rl)
             norm = plan[i + 1].in_norm if i + 1 < len(plan) else self.inner.norm._parameters
             x, h = fused.add_rms_norm(x, m, norm["weight"], self.eps)
         return h
 
-    def _attention_fused(self, i: int, lp: "_LayerPlan", h, positions_BT, cos, sin, cache: KVCache | None) -> torch.Tensor:
+    def _attention_fused(self, i: int, lp: "_LayerPlan", h, positions_BT, cos, sin, cache: KVCache | None,
+                         rl: RowLora | None) -> torch.Tensor:
         fused = self.ops
         B, T, _ = h.shape
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = apply_fused(lp.attn, self.fused(f"attn{i}", lp.attn), h, self._lin).view(B, T, Hq + 2 * Hkv, D)
+        qkv = self._project(i, "attn", lp.attn, h, rl, self.fused(f"attn{i}", lp.attn)).view(B, T, Hq + 2 * Hkv, D)
         qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
         if lp.qk_norms is not None:  # Qwen3: per-head RMSNorm before RoPE
             qk = torch.cat([fused.rms_norm(qk[:, :, :Hq], lp.qk_norms[0]["weight"], self.eps),
@@ -352,7 +425,7 @@ class InvariantLM:
             keys, values = cache.k[i], cache.v1[i]
             fused.cache_write(keys, values, k, v, positions_BT)
         out = fused.attention(q, keys, values, positions_BT, self.scale)
-        return apply_linear(lp.o_proj, out.reshape(B, T, Hq * D), self._lin)
+        return self._project(i, "o", (lp.o_proj,), out.reshape(B, T, Hq * D), rl)
 
     def _moe(self, i: int, block, h: torch.Tensor, silu_mul) -> torch.Tensor:
         """A sparse mixture-of-experts block (Qwen3-MoE, Mixtral) from invariant pieces.
@@ -416,18 +489,18 @@ class InvariantLM:
             entropy = -(lp.exp() * lp).sum(-1)
         return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
-    def _mlp(self, i: int, mlp, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, i: int, mlp, h: torch.Tensor, rl: RowLora | None) -> torch.Tensor:
         if _is_moe(mlp):
             return self._moe(i, mlp, h, _eager_silu_mul)
         mods = (mlp.gate_proj, mlp.up_proj)
-        gate, up = apply_fused(mods, self.fused(f"mlp{i}", mods), h).chunk(2, dim=-1)
-        return apply_linear(mlp.down_proj, inv.silu(gate) * up)
+        gate, up = self._project(i, "mlp", mods, h, rl, self.fused(f"mlp{i}", mods)).chunk(2, dim=-1)
+        return self._project(i, "down", (mlp.down_proj,), inv.silu(gate) * up, rl)
 
-    def _attention(self, i: int, attn, h: torch.Tensor, ctx: "_AttnContext") -> torch.Tensor:
+    def _attention(self, i: int, attn, h: torch.Tensor, ctx: "_AttnContext", rl: RowLora | None) -> torch.Tensor:
         B, T, _ = h.shape
         Hq, Hkv, G, D = self.num_heads, self.num_kv_heads, self.group, self.head_dim
         mods = (attn.q_proj, attn.k_proj, attn.v_proj)
-        qkv = apply_fused(mods, self.fused(f"attn{i}", mods), h).view(B, T, Hq + 2 * Hkv, D)
+        qkv = self._project(i, "attn", mods, h, rl, self.fused(f"attn{i}", mods)).view(B, T, Hq + 2 * Hkv, D)
         qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
             qk = torch.cat(
@@ -443,7 +516,7 @@ class InvariantLM:
             q_rows = F.pad(q_rows, (0, 0, 0, ctx.rows_padded - G * T))
         out = inv.attention(q_rows, keys, values, ctx.bias)[:, :, : G * T]
         out = out.reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq * D)
-        return apply_linear(attn.o_proj, out)
+        return self._project(i, "o", (attn.o_proj,), out, rl)
 
 
 @dataclass(frozen=True)
@@ -474,6 +547,16 @@ class _LayerPlan:
         if _is_moe(m):
             return _LayerPlan(*head, None, None, m)
         return _LayerPlan(*head, (m.gate_proj, m.up_proj), m.down_proj, None)
+
+
+_NO_ROWS = torch.empty(0, dtype=torch.long)
+
+
+def _group_widths(lp: _LayerPlan) -> dict[str, tuple[int, ...]]:
+    if lp.moe is not None:
+        return {}
+    mods = dict(zip(TARGETS, lp.projections))
+    return {g: tuple(_base(mods[t]).weight.shape[0] for t in ts) for g, ts in GROUPS.items()}
 
 
 def _is_moe(mlp) -> bool:

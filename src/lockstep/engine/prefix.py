@@ -88,9 +88,11 @@ def _padded(seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
     return tokens, lens
 
 
-def shared_prefix_logsoftmax(model, inputs: Sequence[tuple[int, ...]], plan: PrefixPlan):
+def shared_prefix_logsoftmax(model, inputs: Sequence[tuple[int, ...]], plan: PrefixPlan, adapters=None):
     """The log-softmax row of every input position, datums concatenated in order, via one forward
-    of each shared prefix and one of the suffixes. `model` is an InvariantLM; returns (T, V)."""
+    of each shared prefix and one of the suffixes. `model` is an InvariantLM; returns (T, V).
+    adapters: None, or the (prefix rows', suffix rows') AdapterAssignments of a packed batch
+    (engine/packed.py: a prefix is shared only within one model's datums)."""
     from lockstep.engine.model import KVCache
 
     pre_tokens, _ = _padded(plan.prefixes)
@@ -99,13 +101,14 @@ def shared_prefix_logsoftmax(model, inputs: Sequence[tuple[int, ...]], plan: Pre
     B, S = suf_tokens.shape
     capacity = max(plan.shared) + S
     cache = model.new_cache(P, capacity)
-    pre_hidden = model.hidden_states(pre_tokens, torch.arange(Tp).expand(P, Tp), cache)
+    pre_lora, suf_lora = adapters if adapters is not None else (None, None)
+    pre_hidden = model.hidden_states(pre_tokens, torch.arange(Tp).expand(P, Tp), cache, adapters=pre_lora)
     empty = model.new_cache(1, capacity)  # row P: the datums with no shared prefix
     cache = KVCache([torch.cat([k, e]) for k, e in zip(cache.k, empty.k)],
                     [torch.cat([v, e]) for v, e in zip(cache.v1, empty.v1)])
     rows = cache.select(plan.owner)  # a prefix row's gradient sums its copies in a fixed order (rows.py)
     positions = torch.tensor(plan.shared).unsqueeze(1) + torch.arange(S)
-    suf_hidden = model.hidden_states(suf_tokens, positions, rows)
+    suf_hidden = model.hidden_states(suf_tokens, positions, rows, adapters=suf_lora)
     hidden = torch.cat([pre_hidden.reshape(P * Tp, -1), suf_hidden.reshape(B * S, -1)])
     index = []
     for d, (n, o) in enumerate(zip(plan.shared, plan.owner)):

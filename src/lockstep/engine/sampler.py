@@ -4,7 +4,9 @@ Per call: validate, prefill each distinct prompt once (right-padded batch), copy
 cache rows to its samples, then decode all rows in lockstep. Finished rows are dropped from the
 batch once they are half of it; the forward is batch-invariant, so compaction never changes a
 logprob. With a drafter, each step verifies drafted tokens in the same forward
-(engine/speculative.py); what is sampled does not change.
+(engine/speculative.py); what is sampled does not change. Requests may name different LoRA
+adapters of a shared base (SampleRequest.adapter): every forward then applies each row's own
+(engine/multi_lora.py), and each row's tokens and logprobs are those it gets alone.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from lockstep.engine import speculative as spec
 from lockstep.engine.model import InvariantLM, KVCache
 from lockstep.engine.sampling import RowParams, choose, row_seed
-from lockstep.engine.types import EngineError, SampledSequence, SampleRequest, SampleResult
+from lockstep.engine.types import AdapterAssignment, EngineError, SampledSequence, SampleRequest, SampleResult
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +43,42 @@ class _Rows:
     params: RowParams
     positions: torch.Tensor  # position of the next token to feed, per row
     cache: KVCache
+    lora: "_RowAdapters | None" = None  # each row's adapter, None when no request names one
 
     def select(self, keep: torch.Tensor) -> "_Rows":
-        return _Rows(self.ids[keep], self.params.select(keep), self.positions[keep], self.cache.select(keep))
+        lora = self.lora.select(keep) if self.lora is not None else None
+        return _Rows(self.ids[keep], self.params.select(keep), self.positions[keep], self.cache.select(keep), lora)
+
+    def adapters(self) -> AdapterAssignment | None:
+        return self.lora.assignment() if self.lora is not None else None
+
+
+@dataclass
+class _RowAdapters:
+    """The call's distinct adapters and each row's index into them (-1: the bare base)."""
+
+    adapters: tuple
+    index: torch.Tensor
+
+    @staticmethod
+    def of(requests) -> "_RowAdapters | None":
+        """One entry per request (the prefill's rows), or None when no request names an adapter."""
+        slots: dict[int, int] = {}
+        distinct = []
+        for r in requests:
+            if r.adapter is not None and id(r.adapter) not in slots:
+                slots[id(r.adapter)] = len(distinct)
+                distinct.append(r.adapter)
+        if not distinct:
+            return None
+        return _RowAdapters(tuple(distinct), torch.tensor([slots[id(r.adapter)] if r.adapter is not None else -1
+                                                           for r in requests], dtype=torch.long))
+
+    def select(self, keep: torch.Tensor) -> "_RowAdapters":
+        return _RowAdapters(self.adapters, self.index[keep])
+
+    def assignment(self) -> AdapterAssignment:
+        return AdapterAssignment(self.adapters, tuple(self.index.tolist()))
 
 
 class _Tape:
@@ -161,16 +196,24 @@ class Sampler:
         """
         if not requests:
             return []
-        for i, r in enumerate(requests):
-            check_tokens(r.prompt, self.vocab_size, f"request {i} prompt")
-            self._check_stops(r, i)
+        self.check(requests)
         with self.model.compute.scope():  # on a GPU, the decode state lives there too
             return self._sample(requests, between_steps)
 
+    def check(self, requests: Sequence[SampleRequest]) -> None:
+        """EngineError naming what `sample(requests)` would refuse, before any compute: a caller
+        packing several clients' requests checks each alone, so that one cannot fail the others."""
+        for i, r in enumerate(requests):
+            check_tokens(r.prompt, self.vocab_size, f"request {i} prompt")
+            self._check_stops(r, i)
+            if r.adapter is not None:
+                self.model.check_adapter(r.adapter, f"request {i} adapter")
+
     def _sample(self, requests, between_steps) -> list[SampleResult]:
-        first_logits, prompt_lps, cache = self._prefill(requests)
+        lora = _RowAdapters.of(requests)
+        first_logits, prompt_lps, cache = self._prefill(requests, lora)
         owner = [i for i, r in enumerate(requests) for _ in range(r.num_samples)]
-        rows = self._init_rows(requests, owner, cache)
+        rows = self._init_rows(requests, owner, cache, lora)
         logits = first_logits.index_select(0, torch.tensor(owner))
         out = self._decode(requests, owner, rows, logits, between_steps)
         return self._results(requests, owner, out, prompt_lps)
@@ -180,7 +223,7 @@ class Sampler:
         ids = [s for s in (r.params.stop or ()) if isinstance(s, int)]
         check_tokens(ids, self.vocab_size, f"request {i} stop")
 
-    def _prefill(self, requests) -> tuple[torch.Tensor, list, KVCache]:
+    def _prefill(self, requests, lora: _RowAdapters | None) -> tuple[torch.Tensor, list, KVCache]:
         """Run each prompt once; return last-position logits (P, V), prompt logprobs, cache."""
         P = len(requests)
         lens = [len(r.prompt) for r in requests]
@@ -190,7 +233,7 @@ class Sampler:
         for i, r in enumerate(requests):
             tokens[i, : lens[i]] = torch.tensor(r.prompt)
         cache = self.model.new_cache(P, capacity)
-        hidden = self.model.hidden_states(tokens, torch.arange(T).expand(P, T), cache)
+        hidden = self._hidden(tokens, torch.arange(T).expand(P, T), cache, lora.assignment() if lora else None)
         last = hidden[torch.arange(P), torch.tensor(lens) - 1]
         logits = self.model.logits(last)
         prompt_lps: list = [None] * P
@@ -203,7 +246,7 @@ class Sampler:
             prompt_lps[i] = prompt_lps[i] or (math.nan,)
         return logits, prompt_lps, cache
 
-    def _init_rows(self, requests, owner, cache) -> _Rows:
+    def _init_rows(self, requests, owner, cache, lora: _RowAdapters | None) -> _Rows:
         temps, topk, topp, seeds, counters = [], [], [], [], {}
         for i in owner:
             p = requests[i].params
@@ -221,7 +264,8 @@ class Sampler:
         )
         idx = torch.tensor(owner)
         positions = torch.tensor([len(requests[i].prompt) for i in owner])
-        return _Rows(torch.arange(len(owner)), params, positions, cache.select(idx))
+        return _Rows(torch.arange(len(owner)), params, positions, cache.select(idx),
+                     lora.select(idx) if lora is not None else None)
 
     def close(self) -> None:
         """Stop the drafter's worker thread (a sampler dropped without this stops it when collected)."""
@@ -232,6 +276,12 @@ class Sampler:
         learned from, its training steps)."""
         own = getattr(self.drafter, "stats", None)
         return {**dataclasses.asdict(self.spec_stats), **(own() if callable(own) else {})}
+
+    def _hidden(self, tokens, positions, cache: KVCache, adapters: AdapterAssignment | None) -> torch.Tensor:
+        """The forward over the cache, each row with its adapter when a request names one."""
+        if adapters is None:
+            return self.model.hidden_states(tokens, positions, cache)
+        return self.model.hidden_states(tokens, positions, cache, adapters=adapters)
 
     def _draft_room(self) -> int:
         """Cache slots past a completion's last token that a verify forward may write to."""
@@ -264,7 +314,7 @@ class Sampler:
             if link is not None and width > 0:
                 drafts, lengths, link = self._drafts(link, rows, alive, tape, width)
             if drafts is None:  # plain decoding: feed the token, get the next logits
-                hidden = self.model.hidden_states(tokens.unsqueeze(1), rows.positions.unsqueeze(1), rows.cache)
+                hidden = self._hidden(tokens.unsqueeze(1), rows.positions.unsqueeze(1), rows.cache, rows.adapters())
                 rows.positions = rows.positions + alive.long()  # finished rows stay put (bounded cache)
                 logits = self.model.logits(hidden[:, 0])
             else:
@@ -336,7 +386,7 @@ class Sampler:
         feed = torch.cat([tokens.unsqueeze(1), drafts], dim=1)
         offsets = torch.arange(k + 1).unsqueeze(0) * alive.long().unsqueeze(1)  # finished rows stay put
         positions = rows.positions.unsqueeze(1) + offsets
-        all_logits = self.model.logits(self.model.hidden_states(feed, positions, rows.cache))  # (R, k+1, V)
+        all_logits = self.model.logits(self._hidden(feed, positions, rows.cache, rows.adapters()))  # (R, k+1, V)
         steps = tape.n_out[rows.ids].unsqueeze(1) + torch.arange(k)
         picks = rows.params.select(torch.arange(R).repeat_interleave(k))
         samples, lps = choose(all_logits[:, :k].reshape(R * k, -1), picks, steps.reshape(-1), self.model.ops)
@@ -390,7 +440,7 @@ class Sampler:
         for i, x in enumerate(seqs):
             tokens[i, : len(x)] = torch.tensor(x)
         rows.cache = self.model.new_cache(len(seqs), rows.cache.capacity)
-        hidden = self.model.hidden_states(tokens, torch.arange(T).expand(len(seqs), T), rows.cache)
+        hidden = self._hidden(tokens, torch.arange(T).expand(len(seqs), T), rows.cache, rows.adapters())
         rows.positions = lens
         return self.model.logits(hidden[torch.arange(len(seqs)), lens - 1])
 

@@ -90,41 +90,13 @@ class Trainer:
         return lp_T, metrics
 
     def _batch(self, data: Sequence[Datum], loss_fn: str, config) -> Batch:
-        """The checked batch; a datum without an input the loss needs is refused here, before any
-        compute (below, a missing logprobs or advantages would be trained on as zeros)."""
-        batch = make_batch(data, self.vocab_size)
-        problem = missing_input(loss_fn, config, (d.loss_fn_inputs.keys() for d in data))
-        if problem is not None:
-            raise EngineError(problem)
-        return batch
+        return checked_batch(data, self.vocab_size, loss_fn, config)
 
     def _loss(self, batch: Batch, lp_T: torch.Tensor, loss_fn: str, config: Mapping[str, float]):
-        f = batch.floats
-        segment = torch.repeat_interleave(torch.arange(len(batch.lengths)), torch.tensor(batch.lengths))
-        zeros, ones = torch.zeros_like(lp_T), torch.ones_like(lp_T)
-        inputs = LossInputs(
-            logprobs_T=lp_T,
-            sampler_logprobs_T=f.get("logprobs", zeros),
-            advantages_T=f.get("advantages", zeros),
-            weights_T=f.get("weights", ones),
-            mask_T=f.get("sequence_ratio_mask", ones),
-            segment_T=segment,
-            num_segments=len(batch.lengths),
-            clip_low_T=f.get("clip_low_threshold"),
-            clip_high_T=f.get("clip_high_threshold"),
-        )
-        return compute_loss(loss_fn, inputs, dict(config or {}))
+        return loss_of(batch, lp_T, loss_fn, config)
 
     def _outputs(self, batch: Batch, lp_T, elementwise_T, metrics, loss) -> ForwardBackwardOutput:
-        outs, start = [], 0
-        lp = lp_T.detach().cpu().numpy()
-        el = elementwise_T.detach().cpu().numpy()
-        for n in batch.lengths:
-            outs.append({"logprobs": lp[start : start + n].copy(), "elementwise_loss": el[start : start + n].copy()})
-            start += n
-        merged = {"loss:sum": float(loss)}
-        merged.update(metrics)
-        return ForwardBackwardOutput(tuple(outs), merged)
+        return outputs_of(batch, lp_T, elementwise_T, metrics, loss)
 
     def forward(self, data: Sequence[Datum], loss_fn: str = "cross_entropy", loss_fn_config=None) -> ForwardBackwardOutput:
         """Logprobs and loss without touching gradients."""
@@ -150,28 +122,7 @@ class Trainer:
     # -- optimizer ---------------------------------------------------------------------------
     def optim_step(self, adam: AdamParams = AdamParams()) -> dict[str, float]:
         """One AdamW step with these hyperparameters on the accumulated gradients, then zero them."""
-        params = list(self.params.values())
-        for p, frozen in self.frozen_experts:  # no gradient, so no norm, clipping or Adam moment
-            if p.grad is not None:
-                p.grad[frozen] = 0.0
-        kept = [(p, p.detach()[frozen].clone()) for p, frozen in self.frozen_experts]  # weight decay moves them
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
-        if not math.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise EngineError("gradient norm is not finite; the step was skipped and gradients cleared")
-        if adam.grad_clip_norm > 0 and grads:
-            torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm, foreach=False)
-        for group in self.optimizer.param_groups:
-            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
-                         weight_decay=adam.weight_decay)
-        self.optimizer.step()
-        with torch.no_grad():
-            for (p, frozen), (_, rows) in zip(self.frozen_experts, kept):
-                p[frozen] = rows
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return {"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate, "step:max": float(self.step)}
+        return adamw_step(self, adam)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -194,6 +145,75 @@ class Trainer:
     def weights_numpy(self) -> dict[str, np.ndarray]:
         """A copy of the trainable weights as NumPy arrays (for publishing and tests)."""
         return {n: p.detach().cpu().numpy().copy() for n, p in self.params.items()}
+
+
+def checked_batch(data: Sequence[Datum], vocab_size: int, loss_fn: str, config) -> Batch:
+    """The checked batch; a datum without an input the loss needs is refused here, before any
+    compute (below, a missing logprobs or advantages would be trained on as zeros)."""
+    batch = make_batch(data, vocab_size)
+    problem = missing_input(loss_fn, config, (d.loss_fn_inputs.keys() for d in data))
+    if problem is not None:
+        raise EngineError(problem)
+    return batch
+
+
+def loss_of(batch: Batch, lp_T: torch.Tensor, loss_fn: str, config: Mapping[str, float] | None):
+    """(elementwise loss (T,), metrics) of one model's datums: the loss and its normalisation see
+    that batch's datums only."""
+    f = batch.floats
+    segment = torch.repeat_interleave(torch.arange(len(batch.lengths)), torch.tensor(batch.lengths))
+    zeros, ones = torch.zeros_like(lp_T), torch.ones_like(lp_T)
+    inputs = LossInputs(
+        logprobs_T=lp_T,
+        sampler_logprobs_T=f.get("logprobs", zeros),
+        advantages_T=f.get("advantages", zeros),
+        weights_T=f.get("weights", ones),
+        mask_T=f.get("sequence_ratio_mask", ones),
+        segment_T=segment,
+        num_segments=len(batch.lengths),
+        clip_low_T=f.get("clip_low_threshold"),
+        clip_high_T=f.get("clip_high_threshold"),
+    )
+    return compute_loss(loss_fn, inputs, dict(config or {}))
+
+
+def outputs_of(batch: Batch, lp_T, elementwise_T, metrics, loss) -> ForwardBackwardOutput:
+    outs, start = [], 0
+    lp = lp_T.detach().cpu().numpy()
+    el = elementwise_T.detach().cpu().numpy()
+    for n in batch.lengths:
+        outs.append({"logprobs": lp[start : start + n].copy(), "elementwise_loss": el[start : start + n].copy()})
+        start += n
+    merged = {"loss:sum": float(loss)}
+    merged.update(metrics)
+    return ForwardBackwardOutput(tuple(outs), merged)
+
+
+def adamw_step(owner, adam: AdamParams) -> dict[str, float]:
+    """One AdamW step of `owner` (a Trainer or an AdapterTrainer: its params, optimizer,
+    frozen_experts and step) on the accumulated gradients, then zero them."""
+    params = list(owner.params.values())
+    for p, frozen in owner.frozen_experts:  # no gradient, so no norm, clipping or Adam moment
+        if p.grad is not None:
+            p.grad[frozen] = 0.0
+    kept = [(p, p.detach()[frozen].clone()) for p, frozen in owner.frozen_experts]  # weight decay moves them
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+    if not math.isfinite(norm):
+        owner.optimizer.zero_grad(set_to_none=True)
+        raise EngineError("gradient norm is not finite; the step was skipped and gradients cleared")
+    if adam.grad_clip_norm > 0 and grads:
+        torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm, foreach=False)
+    for group in owner.optimizer.param_groups:
+        group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                     weight_decay=adam.weight_decay)
+    owner.optimizer.step()
+    with torch.no_grad():
+        for (p, frozen), (_, rows) in zip(owner.frozen_experts, kept):
+            p[frozen] = rows
+    owner.optimizer.zero_grad(set_to_none=True)
+    owner.step += 1
+    return {"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate, "step:max": float(owner.step)}
 
 
 def _frozen_expert_rows(hf_model, train_experts: Sequence[int] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 import numpy as np
 
 from lockstep.config.types import ConfigError, check_adam
+
+if TYPE_CHECKING:  # the API process imports this module and never torch
+    import torch
 
 StopReason = Literal["stop", "length"]
 
@@ -67,6 +70,10 @@ class SampleRequest:
     """Independent samples of this prompt."""
     prompt_logprobs: bool = False
     """Also return log p(prompt[i] | prompt[:i]) for every prompt position (entry 0 is NaN)."""
+    adapter: "AdapterWeights | None" = None
+    """The LoRA adapter snapshot this request samples with, on a shared base (engine/adapters.py);
+    None: the bare base. Requests with different adapters share one batch, and each gets the
+    tokens and logprobs it gets alone."""
 
     def __post_init__(self) -> None:
         if len(self.prompt) == 0:
@@ -156,7 +163,8 @@ class AdamParams:
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """LoRA adapter shape (applied through peft)."""
+    """LoRA adapter shape: through peft on a Trainer's own model, or as an adapter of its own on a
+    shared frozen base (engine/adapters.py)."""
 
     rank: int = 32
     alpha: float = 32.0
@@ -171,6 +179,73 @@ class LoraSpec:
             raise EngineError(f"lora rank must be an integer >= 1, got {self.rank!r}")
         if not self.target_modules:
             raise EngineError("lora target_modules must name at least one module")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha):
+            raise EngineError(f"lora alpha must be a finite number, got {self.alpha!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class LoraFactors:
+    """One target projection's LoRA update on a shared base: delta(x) = ((x A^T) B^T) * scaling."""
+
+    a: "torch.Tensor"
+    """A: (rank, in_features), float32 on the base's device."""
+    b: "torch.Tensor"
+    """B: (out_features, rank)."""
+    scaling: float
+    """alpha / rank, peft's convention."""
+
+
+@dataclass(frozen=True, eq=False)
+class AdapterWeights:
+    """One LoRA adapter as a shared base's forward reads it (engine/multi_lora.py): its own small
+    tensors, never a copy of the base. A trainer's adapter holds its parameters (requires_grad, updated
+    in place by each optimizer step); a snapshot (`AdapterTrainer.snapshot()`) holds detached copies
+    that never change, so a sampler row naming it reads one weights version throughout. Compared
+    and hashed by identity."""
+
+    name: str
+    """Who it belongs to (a model id); only for messages and logs."""
+    version: int
+    """The weights version (the trainer's step when it was snapshotted)."""
+    spec: LoraSpec
+    """The shape it was made with: rank, alpha, targets."""
+    factors: Mapping[tuple[int, str], LoraFactors]
+    """(decoder layer index, target projection such as "q_proj") -> its factors; a projection with
+    no entry has no update."""
+
+
+@dataclass(frozen=True, eq=False)
+class AdapterAssignment:
+    """Which adapter each batch row of one forward uses (InvariantLM.hidden_states)."""
+
+    adapters: tuple[AdapterWeights, ...]
+    """The distinct adapters of the call."""
+    rows: tuple[int, ...]
+    """Per batch row: an index into `adapters`, or -1 for the bare base."""
+    tokens: tuple[int, ...] | None = None
+    """Per batch row: how many of its tokens, from the call's first, use the adapter; the rest (the
+    padding a row carries past its own group's length) run on the bare base. None: all of them.
+    The trainer sets it so that an adapter's gradient sums over exactly the rows it has alone."""
+
+    def __post_init__(self) -> None:
+        bad = [r for r in self.rows if not -1 <= r < len(self.adapters)]
+        if bad:
+            raise EngineError(f"adapter rows must index the {len(self.adapters)} adapters or be -1, got {bad[:5]}")
+        if self.tokens is not None and len(self.tokens) != len(self.rows):
+            raise EngineError(f"adapter tokens: one count per row ({len(self.rows)}), got {len(self.tokens)}")
+
+
+@dataclass(frozen=True)
+class TrainGroup:
+    """One model's part of a packed forward or forward_backward (engine/packed.py)."""
+
+    model: Any
+    """The model's AdapterTrainer (engine/adapters.py) on the shared base; None: the bare base
+    (forward only, nothing to train)."""
+    data: tuple[Datum, ...]
+    """Its datums, as it would pass them alone."""
+    loss_fn: str = "cross_entropy"
+    loss_fn_config: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,10 @@ class Request(Base):
     finished_at: Mapped[dt.datetime | None] = mapped_column(default=None)
     order: Mapped[int] = mapped_column(BigInteger, index=True)
     """Arrival order (monotonic per store), for fair claiming of unordered (sampling) requests."""
+    num_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
+    """What the request puts in a packed batch (service/packing.py), counted by the API: a
+    forward(_backward)'s input tokens, a sample's num_samples x (prompt + max_tokens). NULL for
+    the kinds that run alone (and rows from before the column: they count as a whole batch)."""
 
 
 class Checkpoint(Base):
@@ -274,7 +278,7 @@ def connect(url: str) -> tuple[Engine, sessionmaker]:
     return engine, sessionmaker(engine, expire_on_commit=False)
 
 
-ADDED_COLUMNS = {"requests": ("attempts",), "jobs": ("run_seconds", "interruptions")}
+ADDED_COLUMNS = {"requests": ("attempts", "num_tokens"), "jobs": ("run_seconds", "interruptions")}
 """Columns added after their table was first released: create_all() creates missing tables, not
 missing columns, so a store made by an older version gets them here (with their server default).
 Additive changes only; anything else would need a real migration tool (Alembic)."""

@@ -38,7 +38,7 @@ from lockstep.service.types import JobState, ServiceError
 MiB = 1024 * 1024
 
 
-_LEAST = {"max_job_gpus": 0, "event_keepalive_s": 0.01, "event_poll_s": 0.01}
+_LEAST = {"max_job_gpus": 0, "event_keepalive_s": 0.01, "event_poll_s": 0.01, "batch_weight": 0.01}
 """Caps that may be below 1 (0: off; the stream intervals); every other cap is at least 1."""
 GLOBAL_ONLY = ("max_event_streams_total", "event_keepalive_s", "event_poll_s")
 """Keys of the API process as a whole: top level only, refused under [tenants.NAME]."""
@@ -129,6 +129,9 @@ class Limits:
     event_poll_s: float = 0.5
     """How often the API's one change notifier reads the store for new job events (top level
     only): the longest an event written by the worker waits to reach its streams."""
+    batch_weight: float = 1.0
+    """The tenant's weight in the Executor's packed batches (service/packing.py): backlogged
+    tenants share each batch's token budget, and executor time, in proportion to their weights."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -19,14 +19,15 @@ import hashlib
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import and_, bindparam, case, exists, insert, select, update
+from sqlalchemy import and_, bindparam, case, exists, func, insert, literal, null, select, union_all, update
 from sqlalchemy.exc import IntegrityError
 
-from lockstep.service.db import Counter, Endpoint, Model, Request, now
+from lockstep.service.db import Counter, Endpoint, Model, Request, SamplingSession, Tenant, now
 from lockstep.service.types import Conflict, RequestKind, RequestState
 
 TRAINING_KINDS = tuple(k.value for k in RequestKind if k is not RequestKind.SAMPLE)
-_R, _M, _C = Request.__table__, Model.__table__, Counter.__table__
+_R, _M, _C, _S, _T = (Request.__table__, Model.__table__, Counter.__table__, SamplingSession.__table__,
+                      Tenant.__table__)
 _QUEUED, _RUNNING, _FAILED = RequestState.QUEUED.value, RequestState.RUNNING.value, RequestState.FAILED.value
 
 
@@ -63,10 +64,40 @@ _RUNNABLE_TRAINING = (select(_R.c.id, _R.c.order, _R.c.model_id, _R.c.seq_id, _R
 _RUNNABLE_SAMPLING = (select(_R.c.id, _R.c.order, _R.c.model_id, _R.c.seq_id, _R.c.kind)
                       .where(_R.c.state == _QUEUED, _R.c.kind == RequestKind.SAMPLE.value)
                       .order_by(_R.c.order).limit(bindparam("n")))
+_HEAD_COLUMNS = (_R.c.id, _R.c.tenant_id, _R.c.kind, _R.c.num_tokens, _R.c.order)
+_HEADS_UNION = union_all(
+    select(*_HEAD_COLUMNS, _R.c.model_id, _M.c.base_model.label("base"))
+    .join(_M, _M.c.id == _R.c.model_id)
+    .where(_R.c.state == _QUEUED, _R.c.kind.in_(TRAINING_KINDS), _R.c.seq_id == _M.c.done_seq + 1),
+    # A sampling request holds no model's order (its model_id names the session's source only).
+    select(*_HEAD_COLUMNS, null().label("model_id"), func.coalesce(_S.c.base_model, literal("")).label("base"))
+    .outerjoin(_S, _S.c.id == _R.c.sampling_session_id)
+    .where(_R.c.state == _QUEUED, _R.c.kind == RequestKind.SAMPLE.value)).subquery()
+_HEADS_RANKED = select(_HEADS_UNION, func.row_number().over(partition_by=_HEADS_UNION.c.tenant_id,
+                                                            order_by=_HEADS_UNION.c.order).label("rank")).subquery()
+# An outer join: a row whose tenant is gone (written behind the API's back) is still claimed, and
+# fails alone at its commit; its tenant id stands for the name it no longer has.
+_HEADS = (select(_HEADS_RANKED.c.id, func.coalesce(_T.c.name, _HEADS_RANKED.c.tenant_id).label("tenant"),
+                 _HEADS_RANKED.c.kind, _HEADS_RANKED.c.base, _HEADS_RANKED.c.num_tokens, _HEADS_RANKED.c.order,
+                 _HEADS_RANKED.c.model_id)
+          .outerjoin(_T, _T.c.id == _HEADS_RANKED.c.tenant_id)
+          .where(_HEADS_RANKED.c.rank <= bindparam("per_tenant")).order_by(_HEADS_RANKED.c.order))
+_CLAIMED = (_R.c.id, _R.c.tenant_id, _R.c.kind, _R.c.model_id, _R.c.seq_id, _R.c.sampling_session_id, _R.c.payload,
+            _R.c.attempts)
 _CLAIM = (update(_R).where(and_(_R.c.id == bindparam("rid"), _R.c.state == _QUEUED))
           .values(state=_RUNNING, claimed_by=bindparam("worker"), claimed_at=bindparam("at"), attempts=_R.c.attempts + 1)
-          .returning(_R.c.id, _R.c.tenant_id, _R.c.kind, _R.c.model_id, _R.c.seq_id, _R.c.sampling_session_id,
-                     _R.c.payload, _R.c.attempts))
+          .returning(*_CLAIMED))
+# The same compare-and-set over a batch, in one statement. On PostgreSQL the rows are locked first,
+# in id order and skipping those another executor's claim holds (two claims locking overlapping
+# batches in different orders would deadlock); a row another executor moved out of "queued" first is
+# not matched (the condition is re-checked on the row's newest version). SQLite has no row locks
+# (FOR UPDATE compiles to nothing): its writers are serial, so the update alone is atomic.
+_LOCK_QUEUED = (select(_R.c.id).where(_R.c.id.in_(bindparam("rids", expanding=True)), _R.c.state == _QUEUED)
+                .order_by(_R.c.id).with_for_update(skip_locked=True))
+_CLAIM_BATCH = (update(_R).where(_R.c.id.in_(_LOCK_QUEUED.scalar_subquery()), _R.c.state == _QUEUED)
+                .values(state=_RUNNING, claimed_by=bindparam("worker"), claimed_at=bindparam("at"),
+                        attempts=_R.c.attempts + 1)
+                .returning(*_CLAIMED))
 # Fenced: only the claimant of a still-running request finishes it, so an executor whose claim was
 # requeued behind its back (it outlived its lease) cannot write a result the requeued run also writes.
 _FINISH = (update(_R).where(_R.c.id == bindparam("rid"), _R.c.state == _RUNNING, _R.c.claimed_by == bindparam("worker"))
@@ -109,10 +140,10 @@ def holder(session, model_id: str, seq_id: int):
 
 def submit(session, *, tenant_id: str, kind: RequestKind, payload: bytes, payload_format: str = "json",
            model_id: str | None = None, seq_id: int | None = None, sampling_session_id: str | None = None,
-           request_id: str | None = None, held=_UNKNOWN) -> Queued:
+           request_id: str | None = None, held=_UNKNOWN, num_tokens: int | None = None) -> Queued:
     """Queue a request and commit; a retry of the same (model_id, seq_id) with the same payload
     returns the original request, a different payload is a 409. `held`: what `holder` returned,
-    when the caller has looked already."""
+    when the caller has looked already; `num_tokens`: its size in a packed batch (db.Request)."""
     sha = digest(payload)
     keyed = model_id is not None and seq_id is not None
     if keyed:
@@ -124,7 +155,7 @@ def submit(session, *, tenant_id: str, kind: RequestKind, payload: bytes, payloa
         session.execute(_INSERT, {"id": rid, "tenant_id": tenant_id, "kind": kind.value, "model_id": model_id,
                                   "seq_id": seq_id, "sampling_session_id": sampling_session_id, "payload": payload,
                                   "payload_format": payload_format, "payload_sha": sha,
-                                  "order": _next_order(session)})
+                                  "num_tokens": num_tokens, "order": _next_order(session)})
         session.commit()
     except IntegrityError:  # a concurrent retry won the race
         session.rollback()
@@ -187,6 +218,25 @@ def claim_next(session, worker_id: str) -> Claimed | None:
         if won is not None:
             return won
     return None
+
+
+def heads(session, per_tenant: int = 64) -> list:
+    """Queued requests that may run now, with what packing needs (id, tenant (its name), kind,
+    num_tokens, order, model_id (None for sampling), base (its base model's name; "" if the store
+    lost its sampling session)), in arrival order: each model's next seq_id, and sampling requests;
+    at most `per_tenant` of each tenant (its oldest), so a tenant with thousands queued neither
+    hides the others nor makes this read grow with its backlog."""
+    return list(session.execute(_HEADS, {"per_tenant": per_tenant}))
+
+
+def claim_batch(session, ids, worker_id: str) -> list[Claimed]:
+    """Atomically move the still-queued requests among `ids` to running for this worker, and
+    commit: those it won, in the order of `ids` (another executor may have taken some)."""
+    if not ids:
+        return []
+    rows = {r.id: r for r in session.execute(_CLAIM_BATCH, {"rids": list(ids), "worker": worker_id, "at": now()})}
+    session.commit()
+    return [Claimed(**rows[i]._asdict()) for i in ids if i in rows]
 
 
 def finish(session, req_id: str, worker_id: str, *, result: bytes | None = None, result_format: str = "json",

@@ -178,6 +178,11 @@ WORKER_OPTIONS = (  # (flag, WorkerConfig field, type, help): shared by `lockste
     ("--max-attempts", "max_attempts", int, "executor crashes a request may cause before it is failed"),
     ("--max-models", "max_models", int, "trainers kept in memory (least recently used rebuilt on demand)"),
     ("--max-samplers", "max_sessions", int, "sampling sessions' weights kept in memory"),
+    ("--max-batch-tokens", "max_batch_tokens", lambda v: _at_least(v, 1, 1 << 30), "token budget of one packed batch of requests (tenants share it "
+                                                    "by their policy batch_weight)"),
+    ("--model-cache-mb", "model_cache_bytes", lambda v: _at_least(v, 0, 1 << 30),
+     "MiB of tensors the worker holds: shared bases, adapters with their gradients and optimizer moments, full "
+     "trainers, sampler weights; least recently used evicted to disk beyond it (0: half the machine's memory)"),
     ("--fetch-cache-mb", "fetch_cache_bytes", int, "local cache of downloaded saved states, in MiB"),
     ("--janitor-every", "janitor_every_s", float, "seconds between deletions of expired checkpoints"),
     ("--session-ttl", "session_ttl_s", float, "seconds after a session's last heartbeat its sampler snapshots "
@@ -192,6 +197,10 @@ WORKER_OPTIONS = (  # (flag, WorkerConfig field, type, help): shared by `lockste
      "how a job's memory is capped (the policy's max_job_memory_mb): auto (a cgroup per job where possible, "
      "else RLIMIT_AS per process), cgroup (refuse to start without one) or rlimit"),
 )
+
+
+MIB_OPTIONS = ("fetch_cache_bytes", "model_cache_bytes")
+"""WorkerConfig byte fields given in MiB on the command line."""
 
 
 def _choice(value: str, choices: tuple) -> str:
@@ -213,7 +222,7 @@ def add_worker_options(parser) -> None:
     defaults = WorkerConfig(db_url="", storage_url="", home="")
     for flag, name, kind, text in WORKER_OPTIONS:
         default = getattr(defaults, name)
-        if name == "fetch_cache_bytes":
+        if name in MIB_OPTIONS:
             default //= 1 << 20
         parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})" if default != "" else text)
 
@@ -221,7 +230,8 @@ def add_worker_options(parser) -> None:
 def worker_options(args) -> dict:
     """WorkerConfig fields from parsed options."""
     out = {name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _, _ in WORKER_OPTIONS}
-    out["fetch_cache_bytes"] = int(out["fetch_cache_bytes"]) << 20
+    for name in MIB_OPTIONS:
+        out[name] = int(out[name]) << 20
     out["ray_address"] = out["ray_address"] or ""
     return out
 

@@ -217,9 +217,11 @@ def get_info(body: ModelRef, request: Request, t: Tenant = TENANT) -> dict:
 
 
 # -- training ------------------------------------------------------------------------------------
-def _queue_training(s, t: Tenant, model, seq_id: int, kind: RequestKind, prepare, fmt: str, raw: bytes):
+def _queue_training(s, t: Tenant, model, seq_id: int, kind: RequestKind, prepare, fmt: str, raw: bytes,
+                    num_tokens: int | None = None):
     """Validate (prepare(s, model) -> the payload to store) and queue; a refusal is stored against
-    the seq_id (queue.refuse) unless a request holds it already, then re-raised."""
+    the seq_id (queue.refuse) unless a request holds it already, then re-raised. `num_tokens`: its
+    size in a packed batch (forward and forward_backward only)."""
     held = queue.holder(s, model.id, seq_id)
     try:
         payload = prepare(s, model)
@@ -229,18 +231,18 @@ def _queue_training(s, t: Tenant, model, seq_id: int, kind: RequestKind, prepare
                          seq_id=seq_id, error=str(e))
         raise
     return queue.submit(s, tenant_id=t.id, kind=kind, payload=payload, payload_format=fmt, model_id=model.id,
-                        seq_id=seq_id, held=held)
+                        seq_id=seq_id, held=held, num_tokens=num_tokens)
 
 
 async def _submit_training(request: Request, t: Tenant, model_id: str, seq_id: int, kind: RequestKind, prepare,
-                           fmt: str = "json") -> dict:
+                           fmt: str = "json", num_tokens: int | None = None) -> dict:
     raw = await request.body()
 
     def go():
         with db(request) as s:
             model = _model_brief(s, t, model_id)
             try:
-                return _queue_training(s, t, model, seq_id, kind, prepare, fmt, raw)
+                return _queue_training(s, t, model, seq_id, kind, prepare, fmt, raw, num_tokens)
             finally:
                 ring_workers(request)  # a refusal may have let the model's next request run
 
@@ -287,7 +289,8 @@ async def forward_backward(request: Request, t: Tenant = TENANT):
         return body
 
     kind = RequestKind.FORWARD if msg.forward_only else RequestKind.FORWARD_BACKWARD
-    return await _submit_training(request, t, msg.model_id, msg.seq_id, kind, prepare, "proto")
+    return await _submit_training(request, t, msg.model_id, msg.seq_id, kind, prepare, "proto",
+                                  wire.token_count(msg))
 
 
 @training.post("/optim_step")
@@ -451,10 +454,12 @@ async def asample(body: Sample, request: Request, t: Tenant = TENANT) -> dict:
             if ss is None or ss.tenant_id != t.id:
                 raise NotFound(f"unknown sampling_session_id {wire.shown(body.sampling_session_id)}")
             base = base_of(s, ss.base_model)
-            check_sample(body, ss.vocab_size, base.max_context_length, cfg.max_sampled_tokens)
+            prompt = check_sample(body, ss.vocab_size, base.max_context_length, cfg.max_sampled_tokens)
             ids = [uuid.uuid4().hex for _ in range(body.num_samples)]
             payload = json.dumps({**body.model_dump(), "sample_sequence_ids": ids}).encode()
-            req = queue.submit(s, tenant_id=t.id, kind=RequestKind.SAMPLE, payload=payload, sampling_session_id=ss.id)
+            max_tokens = body.sampling_params.max_tokens if body.sampling_params.max_tokens is not None else 256
+            req = queue.submit(s, tenant_id=t.id, kind=RequestKind.SAMPLE, payload=payload, sampling_session_id=ss.id,
+                               num_tokens=body.num_samples * (len(prompt) + max_tokens))
         ring_workers(request)
         return req, ids
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from lockstep.config.types import LOSSES, ConfigError
 from lockstep.config.types import check_loss as _check_loss
@@ -112,6 +113,16 @@ class Priority(str, enum.Enum):
     PREEMPTIBLE = "preemptible"
 
 
+@dataclass(frozen=True)
+class BatchMember:
+    """One request of a packed batch, as the engine host runs it (EngineHost.run_batch)."""
+
+    key: str
+    """The model id (forward, forward_backward) or sampling session id (sample) it runs on."""
+    payload: Any
+    """The request's body: a ForwardBackwardRequest's bytes, or a sample's JSON object."""
+
+
 class UsageKind(str, enum.Enum):
     COMPUTE_SECONDS = "compute_seconds"
     TOKENS_TRAINED = "tokens_trained"
@@ -166,9 +177,18 @@ class WorkerConfig:
     max_attempts: int = 3
     """Executor deaths a request may cause before it is failed instead of requeued."""
     max_models: int = 16
-    """Trainers held in memory; the least recently used beyond it is dropped and rebuilt on demand."""
+    """Trainers held in memory at once (a count, besides model_cache_bytes); the least recently used
+    beyond it is spilled to local disk and rebuilt exactly on its next request."""
+    max_batch_tokens: int = 65_536
+    """Token budget of one packed batch (service/packing.py): forward, forward_backward or sample
+    requests of one base model, from any tenants, run together up to it (a request larger than it
+    runs alone). Default: the API's max_tokens_per_request."""
     max_sessions: int = 32
-    """Sampling sessions' pinned weights held in memory, likewise."""
+    """Sampling sessions held in memory, likewise (one beyond it is reopened from its saved weights)."""
+    model_cache_bytes: int = 0
+    """Bytes of tensors the engine host holds (shared bases, adapters with their gradients and AdamW
+    moments, full trainers, sampler weights); the least recently used beyond it are evicted. 0: half
+    the machine's memory (three quarters of the GPU's with --device cuda)."""
     fetch_cache_bytes: int = 4 << 30
     """Local copies of saved states kept for reuse (least recently used evicted beyond it)."""
     janitor_every_s: float = 30.0

@@ -235,11 +235,16 @@ def _token_count(msg, max_tokens: int | None) -> int:
         raise ServiceError("ForwardBackwardRequest has no data; send at least one datum")
     if len(msg.data) > MAX_DATA:
         raise ServiceError(f"ForwardBackwardRequest has {len(msg.data)} data; at most {MAX_DATA} per request")
-    total = sum(len(c.encoded_text.tokens) // 4 for d in msg.data for c in d.model_input)
+    total = token_count(msg)
     if max_tokens is not None and total > max_tokens:
         raise ServiceError(f"ForwardBackwardRequest has {total} tokens; at most {max_tokens} per request (the SDK "
                            f"chunks its batches below this)")
     return total
+
+
+def token_count(msg) -> int:
+    """A parsed ForwardBackwardRequest's input tokens, from the chunks' byte lengths."""
+    return sum(len(c.encoded_text.tokens) // 4 for d in msg.data for c in d.model_input)
 
 
 def forward_backward_from_pb(msg, *, max_tokens: int | None = None) -> FwdBwd:

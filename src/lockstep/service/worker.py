@@ -25,6 +25,7 @@ from lockstep.runtime.plan import require_gpus, visible_gpus
 from lockstep.service import janitor, queue
 from lockstep.service.db import BaseModelEntry, connect
 from lockstep.service.executor import Executor
+from lockstep.service.policy import from_env
 from lockstep.service.scheduler import SLOT, Scheduler, adopt_orphans
 from lockstep.service.storage import Storage
 from lockstep.service.types import BUILTIN_MODEL, WorkerConfig
@@ -118,7 +119,7 @@ class Worker:
         # jobs' actors need; it sets its own threads. Two threads of the actor: serve() and stop().
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.executor = Executor.options(num_cpus=0, num_gpus=1 if self.config.device == "cuda" else 0, max_restarts=-1, max_task_retries=0, max_concurrency=2,
-                                         scheduling_strategy=here).remote(self.config, self.id, os.getpid())
+                                         scheduling_strategy=here).remote(self.config, self.id, os.getpid(), from_env())
         ray.get(self.executor.ready.remote(), timeout=300)
 
     def stop(self) -> None:

@@ -1,5 +1,6 @@
-"""The fused CPU kernels (fused.cpp, and stack.cpp: the decoder stack in one call): built once by `scripts/setup.sh`, loaded here, or the
-pure-PyTorch path with a warning.
+"""The fused CPU kernels (fused.cpp; stack.cpp: the decoder stack in one call; lora.cpp: many LoRA adapters,
+one per row, over a shared base): built once by `scripts/setup.sh`, loaded here, or the pure-PyTorch path
+with a warning.
 
 `python -m lockstep.engine.kernels` compiles the sources through torch's C++ extension machinery
 into `_build/<tag>/` next to this file; the tag hashes the sources, the compile flags, the torch
@@ -25,8 +26,8 @@ from types import ModuleType
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "fused.cpp", HERE / "stack.cpp")
-HEADERS = (HERE / "fused.h",)
+SOURCES = (HERE / "fused.cpp", HERE / "stack.cpp", HERE / "lora.cpp")
+HEADERS = (HERE / "fused.h", HERE / "lora.h")
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c++17", "-fopenmp")
 """-ffp-contract=off and no fast-math: see THE RULE at the top of fused.cpp. -march=native: the
 build runs on the machine that uses it (setup.sh); another CPU gets its own build. -fopenmp: ATen's

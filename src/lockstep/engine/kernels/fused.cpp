@@ -178,6 +178,11 @@ int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / mult
 
 namespace lockstep {
 
+void fixed_plan_gemm(bool a_t, bool b_t, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                     int64_t ldb, float* c) {
+  gemm(a_t, b_t, m, n, k, a, lda, b, ldb, c);
+}
+
 // x (M, K) @ weight (N, K)^T (+ bias (N)) -> (M, N), rows padded to ROW_TILE inside.
 torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
   check_f32(x, "x");
@@ -746,5 +751,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &lockstep::linear, "x @ weight^T (+ bias) through the fixed tile plan");
   m.def("linear_backward", &lockstep::linear_backward, "(dy @ weight, dy^T @ x) through the fixed tile plan");
   m.def("column_sum", &lockstep::column_sum, "column sums in row order");
+  lockstep::bind_lora(m);
   lockstep::bind_stack(m);
 }

@@ -7,6 +7,10 @@
 
 namespace lockstep {
 
+// gemm's fixed tile plan (fused.cpp): C (m x n, row-major, contiguous) = op(A) @ op(B); a_t: A is stored
+// (k x m), b_t: B is stored (n x k). A row of C has the same bits whatever m, for m a multiple of 8.
+void fixed_plan_gemm(bool a_t, bool b_t, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                     int64_t ldb, float* c);
 torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 std::vector<torch::Tensor> linear_backward(torch::Tensor dy, torch::Tensor x, torch::Tensor weight, bool need_dx,
                                            bool need_dw);
@@ -25,7 +29,8 @@ std::vector<torch::Tensor> attention_backward(torch::Tensor dout, torch::Tensor 
 std::vector<torch::Tensor> attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions,
                                      double scale);
 
-// Registers the DecoderStack class (stack.cpp) on the extension module.
+// Register the AdapterTable class and lora_add (lora.cpp), the DecoderStack class (stack.cpp).
+void bind_lora(pybind11::module& m);
 void bind_stack(pybind11::module& m);
 
 }  // namespace lockstep

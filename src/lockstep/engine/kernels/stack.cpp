@@ -6,9 +6,13 @@
 // LoRA factors) and runs all its layers per call. It composes the very kernels of fused.cpp, in
 // the order and with the tensor shapes of InvariantLM._hidden_fused, so its bits are that path's:
 // the trainer, which runs the per-op path under autograd, still agrees bit for bit (tested).
-// Mixture-of-experts layers are not here; such a model keeps the per-op path.
+// Mixture-of-experts layers are not here; such a model keeps the per-op path. Besides the LoRA it
+// holds (a peft model's, on every row), a call may bring adapters of its own, one per row
+// (lora.cpp: a shared base serving many tenants), added after the same products as on the per-op
+// path.
 
 #include "fused.h"
+#include "lora.h"
 
 #include <string>
 #include <utility>
@@ -42,18 +46,41 @@ torch::Tensor lora_delta(const Lora& l, const torch::Tensor& x) {
   return out;
 }
 
+// One call's per-row adapters (lora.cpp): tables[rows[r]] is flat row r's adapter (-1: none).
+struct RowLora {
+  std::vector<AdapterTable*> tables;
+  torch::Tensor rows;
+  int64_t layer = 0;
+  // y (..., N) of x (..., K) with each row's adapter update for projections projs (model.py's
+  // _RowLora: the same function on the per-op path).
+  torch::Tensor apply(torch::Tensor y, const torch::Tensor& x, const std::vector<int64_t>& projs,
+                      const std::vector<int64_t>& widths) const {
+    if (tables.empty()) return y;
+    auto y2 = y.reshape({-1, y.size(-1)}).contiguous();
+    lora_add_(y2, x.reshape({-1, x.size(-1)}), rows, tables, layer, projs, widths);
+    return y2.view(y.sizes());
+  }
+};
+
 // model.apply_linear.
-torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const OptTensor& bias, const Lora& l) {
+torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const OptTensor& bias, const Lora& l,
+                      const RowLora& rl, int64_t proj) {
   auto y = lin(x, w, bias);
   auto d = lora_delta(l, x);
-  return d.defined() ? y + d : y;
+  y = d.defined() ? y + d : y;
+  return rl.apply(y, x, {proj}, {w.size(0)});
 }
 
 // model.apply_fused: one product for several projections of x, LoRA updates added per slice (zeros
 // for a projection without one, as the per-op path does).
 torch::Tensor project_fused(const torch::Tensor& x, const torch::Tensor& w, const OptTensor& bias,
-                            const std::vector<const Lora*>& parts) {
+                            const std::vector<const Lora*>& parts, const RowLora& rl, const std::vector<int64_t>& projs) {
   auto y = lin(x, w, bias);
+  if (!rl.tables.empty()) {
+    std::vector<int64_t> widths;
+    for (const Lora* l : parts) widths.push_back(l->out_features);
+    return rl.apply(y, x, projs, widths);  // (a peft model brings no per-row adapters: model.py checks)
+  }
   std::vector<torch::Tensor> deltas;
   bool any = false;
   for (const Lora* l : parts) {
@@ -118,18 +145,23 @@ class DecoderStack {
   // model.InvariantLM._hidden_fused: x (B, T, hidden) embeddings, positions (B, T), the rope rows
   // cos and signed sin (B, T, D). With a cache (keys[i], values[i] per layer), token (b, t) is
   // written at positions[b, t] and attends to cached keys 0..positions[b, t]; without one (empty
-  // lists) row b is a sequence from position 0. Returns the final normed hidden states.
+  // lists) row b is a sequence from position 0. tables and rows: the call's per-row adapters (lora.cpp;
+  // rows (B * T) int64, flat token row -> index into tables or -1), or empty. Returns the final
+  // normed hidden states.
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor ssin,
-                        std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values) const {
+                        std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
+                        std::vector<AdapterTable*> tables, torch::Tensor rows) const {
     const bool cached = !keys.empty();
     TORCH_CHECK(!cached || (keys.size() == layers_.size() && values.size() == layers_.size()),
                 "one cache tensor per layer");
     torch::NoGradGuard no_grad;
     const int64_t B = x.size(0), T = x.size(1);
+    RowLora rl{std::move(tables), rows, 0};
     auto h = lockstep::rms_norm(x, layers_[0].w(IN_NORM), eps_)[0];
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
-      auto qkv = project_fused(h, l.w(QKV_W), l.t[QKV_B], {&l.lora[Q], &l.lora[K], &l.lora[V]})
+      rl.layer = static_cast<int64_t>(i);
+      auto qkv = project_fused(h, l.w(QKV_W), l.t[QKV_B], {&l.lora[Q], &l.lora[K], &l.lora[V]}, rl, {Q, K, V})
                      .view({B, T, hq_ + 2 * hkv_, d_});
       auto qk = qkv.narrow(2, 0, hq_ + hkv_), v = qkv.narrow(2, hq_ + hkv_, hkv_);
       if (l.t[Q_NORM].has_value()) {  // Qwen3: per-head RMSNorm before RoPE
@@ -148,11 +180,11 @@ class DecoderStack {
         vs = v.transpose(1, 2);
       }
       auto out = lockstep::attention(q, ks, vs, positions, scale_)[0];
-      auto a = project(out.reshape({B, T, hq_ * d_}), l.w(O_W), l.t[O_B], l.lora[O]);
+      auto a = project(out.reshape({B, T, hq_ * d_}), l.w(O_W), l.t[O_B], l.lora[O], rl, O);
       auto xh = lockstep::add_rms_norm(x, a, l.w(POST_NORM), eps_);
       x = xh[0];
-      auto gu = project_fused(xh[1], l.w(GU_W), l.t[GU_B], {&l.lora[GATE], &l.lora[UP]});
-      auto m = project(lockstep::silu_mul(gu), l.w(DOWN_W), l.t[DOWN_B], l.lora[DOWN]);
+      auto gu = project_fused(xh[1], l.w(GU_W), l.t[GU_B], {&l.lora[GATE], &l.lora[UP]}, rl, {GATE, UP});
+      auto m = project(lockstep::silu_mul(gu), l.w(DOWN_W), l.t[DOWN_B], l.lora[DOWN], rl, DOWN);
       const auto& next = i + 1 < layers_.size() ? layers_[i + 1].w(IN_NORM) : final_norm_;
       auto xm = lockstep::add_rms_norm(x, m, next, eps_);
       x = xm[0];
