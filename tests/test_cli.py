@@ -26,6 +26,7 @@ def test_cli_surface_is_frozen():
         "check consistency --help/-h", "check consistency --model", "check consistency --json",
         "check consistency --seed", "check consistency --max-tokens", "check consistency --speculative",
         "check consistency --draft-tokens", "check consistency --device", "check consistency --dtype",
+        "check consistency --tenants",
         "serve --help/-h", "serve --host", "serve --port", "serve --db", "serve --storage", "serve --model",
         "serve --ray-address", "serve --no-worker", "serve --max-body-mb", "serve --job-slots", "serve --policy",
         "serve --alerts", "serve --alert-webhook",
@@ -34,7 +35,7 @@ def test_cli_surface_is_frozen():
         # the worker's bounds, on `worker` and on `serve` (for the worker it starts)
         *(f"{cmd} --{flag}" for cmd in ("serve", "worker") for flag in (
             "max-attempts", "max-models", "max-samplers", "fetch-cache-mb", "janitor-every", "session-ttl",
-            "speculative", "draft-tokens", "device", "dtype", "job-memory")),
+            "speculative", "draft-tokens", "device", "dtype", "job-memory", "model-cache-mb", "max-batch-tokens")),
         "serve --persist-every",
         "tenants --help/-h", "tenants create --help/-h", "tenants create --db", "tenants create --json",
         "tenants create --max-jobs", "tenants create --max-models",

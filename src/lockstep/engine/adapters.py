@@ -21,7 +21,6 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from lockstep.engine import lora as lora_mod
@@ -31,7 +30,7 @@ from lockstep.engine.device import CPU, Compute
 from lockstep.engine.loading import load_model
 from lockstep.engine.model import InvariantLM
 from lockstep.engine.multi_lora import ADAPTABLE, HEAD, HEAD_LAYER, TARGETS
-from lockstep.engine.trainer import adamw_step
+from lockstep.engine.trainer import TrainState, adamw_step
 from lockstep.engine.types import (AdamParams, AdapterWeights, Datum, EngineError, ForwardBackwardOutput, LoraFactors,
                                    LoraSpec, TrainGroup)
 
@@ -125,7 +124,7 @@ def snapshot(adapter: AdapterWeights, version: int) -> AdapterWeights:
     return AdapterWeights(adapter.name, int(version), adapter.spec, factors)
 
 
-class AdapterTrainer:
+class AdapterTrainer(TrainState):
     """A LoRA client on a shared base: its adapter, the adapter's gradients, AdamW moments and
     step; Tinker's semantics (gradients accumulate over forward_backward calls until optim_step).
     Its forward and forward_backward are packed ones with a single model (engine/packed.py), so a
@@ -190,23 +189,10 @@ class AdapterTrainer:
         """The adapter's weights now, immutable, versioned by the step: for a sampler's rows."""
         return snapshot(self.adapter, self.step)
 
-    # -- state -------------------------------------------------------------------------------
-    def save_state(self, path: str | Path, *, data_position=None, overwrite: bool = False) -> Path:
-        """Adapter weights, AdamW moments, RNG, step and data position (engine/state.py's format, the
-        same as a LoRA Trainer's)."""
-        if data_position is not None:
-            self.data_position = data_position
-        return state_mod.save_state(self, path, overwrite=overwrite)
-
-    def load_state(self, path: str | Path, *, optimizer: bool = True) -> dict:
-        return state_mod.load_state(self, path, optimizer=optimizer)
-
+    # -- state (save_state, load_state, weights_numpy: TrainState, the LoRA Trainer's format) --
     def save_weights_for_sampler(self, path: str | Path, *, kind: str = "merged", overwrite: bool = False) -> Path:
         """A merged HF directory (kind="merged") or a PEFT adapter directory (kind="adapter")."""
         return lora_mod.export_shared(self, path, kind=kind, overwrite=overwrite)
-
-    def weights_numpy(self) -> dict[str, np.ndarray]:
-        return {n: p.detach().cpu().numpy().copy() for n, p in self.params.items()}
 
 
 def _one(results: list) -> ForwardBackwardOutput:

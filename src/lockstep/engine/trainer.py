@@ -25,7 +25,26 @@ from lockstep.engine.types import AdamParams, Datum, EngineError, ForwardBackwar
 from lockstep.losses import LossInputs, compute_loss, missing_input
 
 
-class Trainer:
+class TrainState:
+    """Checkpointing shared by the trainers (Trainer, engine/adapters.py's AdapterTrainer): both keep
+    `params`, an optimizer, `step` and `data_position` in engine/state.py's format."""
+
+    def save_state(self, path: str | Path, *, data_position=None, overwrite: bool = False) -> Path:
+        """Weights, optimizer, RNG, step and data position, written atomically (safetensors only)."""
+        if data_position is not None:
+            self.data_position = data_position
+        return state_mod.save_state(self, path, overwrite=overwrite)
+
+    def load_state(self, path: str | Path, *, optimizer: bool = True) -> dict:
+        """Load a checkpoint written by save_state; verifies the manifest before touching anything."""
+        return state_mod.load_state(self, path, optimizer=optimizer)
+
+    def weights_numpy(self) -> dict[str, np.ndarray]:
+        """A copy of the trainable weights as NumPy arrays (for publishing and tests)."""
+        return {n: p.detach().cpu().numpy().copy() for n, p in self.params.items()}
+
+
+class Trainer(TrainState):
     """Owns a model's trainable parameters, its AdamW state, and the step counter."""
 
     def __init__(self, hf_model, tokenizer, *, base_model: str, lora: LoraSpec | None = None,
@@ -127,24 +146,10 @@ class Trainer:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    # -- state -------------------------------------------------------------------------------
-    def save_state(self, path: str | Path, *, data_position=None, overwrite: bool = False) -> Path:
-        """Weights, optimizer, RNG, step and data position, written atomically (safetensors only)."""
-        if data_position is not None:
-            self.data_position = data_position
-        return state_mod.save_state(self, path, overwrite=overwrite)
-
-    def load_state(self, path: str | Path, *, optimizer: bool = True) -> dict:
-        """Load a checkpoint written by save_state; verifies the manifest before touching anything."""
-        return state_mod.load_state(self, path, optimizer=optimizer)
-
+    # -- state (save_state, load_state, weights_numpy: TrainState) ----------------------------
     def save_weights_for_sampler(self, path: str | Path, *, kind: str = "merged", overwrite: bool = False) -> Path:
         """Export an HF directory (kind="merged") or a PEFT adapter (kind="adapter", LoRA only)."""
         return lora_mod.export(self, path, kind=kind, overwrite=overwrite)
-
-    def weights_numpy(self) -> dict[str, np.ndarray]:
-        """A copy of the trainable weights as NumPy arrays (for publishing and tests)."""
-        return {n: p.detach().cpu().numpy().copy() for n, p in self.params.items()}
 
 
 def checked_batch(data: Sequence[Datum], vocab_size: int, loss_fn: str, config) -> Batch:
