@@ -1,16 +1,19 @@
 """Worker memory with K LoRA training clients of one base model (issue 28, item 5, memory).
 
 Each K runs in a fresh process holding an EngineHost, as a worker's Executor does (the Ray actor
-around it adds the same constant for every K): K LoRA rank-16 clients (attention and MLP, the
-targets a shared base adapts) of a 0.5B-shaped random Qwen2 (Qwen2.5-0.5B's config, built here, no
+around it adds the same constant for every K): K LoRA rank-16 clients (attention and MLP, and with
+--unembed lm_head too, the SDK's default) of a 0.5B-shaped random Qwen2 (Qwen2.5-0.5B's config, built here, no
 download), each after one forward_backward (4 x 32 tokens) and one optim_step, so that its
 gradients and AdamW moments exist. Reports the process's RSS, and what the host's model cache
 counts, at each K. Goal: RSS at K = 16 <= 2.5x RSS at K = 1.
 
     python bench/multi_tenant_memory.py [--clients 1 4 16] [--model qwen2-0.5b|builtin] [--rank 16] [--unembed]
+                                        [--private]
 
---unembed adds lm_head to the targets: a shared base cannot adapt it yet, so each client is then a
-private peft copy of the model, the way every LoRA client was held before issue 28.
+--unembed adds lm_head to the targets (on the shared base, as the other targets). --private holds
+each client as a private peft copy of the model instead (the host's shares_base forced false), the
+way every LoRA client was held before issue 28, and a LoRA with lm_head until it became a shared
+target.
 """
 
 from __future__ import annotations
@@ -44,13 +47,17 @@ def model_path(name: str) -> str:
     return str(path)
 
 
-def one_run(base: str, clients: int, rank: int, unembed: bool) -> dict:
+def one_run(base: str, clients: int, rank: int, unembed: bool, private: bool) -> dict:
     """In this process: K clients trained one step each; RSS and the host's counts."""
     import numpy as np
     import psutil
 
+    from lockstep.service import host as host_mod
     from lockstep.service import wire
     from lockstep.service.host import EngineHost
+
+    if private:
+        host_mod.shares_base = lambda spec: False
 
     work = Path(tempfile.mkdtemp(prefix="lockstep-mtm-"))
     host = EngineHost(str(work / "storage"), str(work / "cache"), 2, max_models=clients)
@@ -64,7 +71,7 @@ def one_run(base: str, clients: int, rank: int, unembed: bool) -> dict:
         host.forward_backward(mid, wire.encode_forward_backward(wire.FwdBwd(mid, 1, data, "cross_entropy", {}, False)),
                               False)
         host.optim_step(mid, {"learning_rate": 1e-4})
-    assert len(host.trainers) == clients and len(host.bases) == (0 if unembed else 1) and not host.spilled
+    assert len(host.trainers) == clients and len(host.bases) == (0 if private else 1) and not host.spilled
     counted = {kind: sum(e.nbytes for e in host.models.entries.values() if e.kind == kind) for kind in ("base", "model")}
     return {"clients": clients, "rss_mib": psutil.Process().memory_info().rss / 2**20,
             "base_counted_mib": counted["base"] / 2**20, "clients_counted_mib": counted["model"] / 2**20}
@@ -75,17 +82,19 @@ def main() -> None:
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--model", choices=("qwen2-0.5b", "builtin"), default="qwen2-0.5b")
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--unembed", action="store_true",
-                    help="LoRA on lm_head too: each client a private peft copy of the model (the code before issue 28)")
+    ap.add_argument("--unembed", action="store_true", help="LoRA on lm_head too (the SDK's default)")
+    ap.add_argument("--private", action="store_true",
+                    help="each client a private peft copy of the model (the code before issue 28)")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: run one K in this process
     a = ap.parse_args()
     if a.one is not None:
-        print(json.dumps(one_run(model_path(a.model), a.one, a.rank, a.unembed)))
+        print(json.dumps(one_run(model_path(a.model), a.one, a.rank, a.unembed, a.private)))
         return
     model_path(a.model)  # built once, before any measured process
     rows = []
     for k in a.clients:  # a fresh process per K: RSS never carries one run's high-water mark into the next
-        out = subprocess.run([sys.executable, __file__, "--one", str(k), "--model", a.model, "--rank", str(a.rank)] + ["--unembed"] * a.unembed,
+        flags = ["--unembed"] * a.unembed + ["--private"] * a.private
+        out = subprocess.run([sys.executable, __file__, "--one", str(k), "--model", a.model, "--rank", str(a.rank)] + flags,
                              check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # each K as it ends: a long run keeps what it measured
@@ -94,7 +103,8 @@ def main() -> None:
         r["rss_vs_first"] = r["rss_mib"] / one
     from common import emit
 
-    emit("multi_tenant_memory" + "_private" * a.unembed, rows, {"model": a.model, "rank": a.rank, "unembed": a.unembed})
+    emit("multi_tenant_memory" + "_unembed" * a.unembed + "_private" * a.private, rows,
+         {"model": a.model, "rank": a.rank, "unembed": a.unembed, "private": a.private})
 
 
 if __name__ == "__main__":

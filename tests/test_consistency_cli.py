@@ -86,8 +86,8 @@ def qwen3_dir(tmp_path_factory):
     pytest.param("builtin", "fused", "suffix", marks=pytest.mark.slow),  # in-process: test_multi_tenant.py
     pytest.param("qwen3", "eager", "off", marks=pytest.mark.slow)])
 def test_four_tenants_packed_get_their_alone_bits(which, path, drafter, qwen3_dir, tmp_path):
-    """The gate of issue 28: `--tenants 4` (ranks 4, 1, 8, 2 on different target sets, and rows on
-    the bare base) packed against alone: every sampled token and logprob, every trainer logprob,
+    """The gate of issue 28: `--tenants 4` (ranks 4, 1, 8, 2 on different target sets, two with
+    lm_head, and rows on the bare base) packed against alone: every sampled token and logprob, every trainer logprob,
     loss, metric and gradient element bitwise equal, on the fused kernels and the eager fallback,
     the built-in model and a tiny Qwen3 (q/k norms, head_dim 24: projections of other shapes)."""
     args = ["--tenants", "4", "--speculative", drafter] + ([] if which == "builtin" else ["--model", qwen3_dir])
@@ -96,6 +96,7 @@ def test_four_tenants_packed_get_their_alone_bits(which, path, drafter, qwen3_di
     assert report["path"] == path and report["tenants"] == 4
     assert [a["rank"] for a in report["adapters"]] == [4, 1, 8, 2]
     assert len({tuple(a["targets"]) for a in report["adapters"]}) == 4
+    assert [("lm_head" in a["targets"]) for a in report["adapters"]] == [True, False, True, False]
     sampler = report["sampler"]
     assert sampler["tokens_bitwise_equal"] == sampler["tokens_compared"] >= 100
     for kind, parts in report["trainer"].items():

@@ -6,6 +6,7 @@ the LoRA state, exports and checkpoints are the peft-wrapped Trainer's.
 The fused CPU path runs here; the eager fallback through the gate's subprocess
 (tests/test_consistency_cli.py), the Triton path under the interpreter at the end."""
 
+import dataclasses
 import json
 import random
 
@@ -23,8 +24,12 @@ from lockstep.engine.types import (AdamParams, AdapterAssignment, Datum, EngineE
                                    SamplingParams, TrainGroup)
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SHAPES = [(4, ALL), (1, ("q_proj", "v_proj")), (8, ("o_proj", "down_proj")), (2, ("gate_proj", "up_proj", "k_proj"))]
-"""Tenant i's rank and targets: ranks differ, target sets from all seven to a pair."""
+DEFAULT = ALL + ("lm_head",)
+"""The Tinker SDK's default LoRA (train_attn, train_mlp and train_unembed)."""
+SHAPES = [(4, DEFAULT), (1, ("q_proj", "v_proj")), (8, ("o_proj", "down_proj", "lm_head")),
+          (2, ("gate_proj", "up_proj", "k_proj"))]
+"""Tenant i's rank and targets: ranks differ, target sets from all seven and lm_head to a pair; two
+tenants adapt lm_head (at ranks 4 and 8), two do not."""
 
 
 def perturb(trainer, seed: int, scale: float = 0.1) -> None:
@@ -204,7 +209,7 @@ def test_packed_rows_past_a_models_own_length_take_no_part_in_its_gradient(base,
         rows[1] = torch.arange(4, 60)
         with torch.enable_grad():
             hidden = model.hidden_states(rows, adapters=AdapterAssignment((t.adapter,), (0, -1), tokens))
-            lp = model.logprobs_of(hidden[0, :4], torch.tensor([6, 7, 8, 9]))
+            lp = model.logprobs_of(hidden[0, :4], torch.tensor([6, 7, 8, 9]), AdapterAssignment((t.adapter,), (0,) * 4))
             (-lp).sum().backward()  # cross_entropy's loss: -log p
         return grads_of(t)
 
@@ -237,7 +242,7 @@ def test_a_hostile_cotenant_cannot_change_another_tenants_samples_or_gradients(b
     fails that group alone and leaves its gradients untouched. Control: the attack is real (the
     hostile rows' own logprobs are not finite)."""
     victim = tenants[0]
-    evil = hostile(base, LoraSpec(rank=8, seed=5), value)
+    evil = hostile(base, LoraSpec(rank=8, target_modules=DEFAULT, seed=5), value)  # its lm_head's rows too
     rng = random.Random(11)
     mine = requests_for(0, victim.snapshot(), rng, greedy=False)
     theirs = [SampleRequest(tuple(range(4, 100)), SamplingParams(max_tokens=12, seed=1, stop=()), num_samples=3,
@@ -287,12 +292,20 @@ def test_a_refused_group_fails_alone_and_the_others_get_their_results(base, tena
         t.zero_grad()
 
 
-def test_a_lora_trainer_built_the_old_way_and_an_adapter_on_a_shared_base_agree_bit_for_bit(base, qwen2_dir):
+@pytest.mark.parametrize("spec", [
+    LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"), seed=9),
+    LoraSpec(rank=4, alpha=4.0, target_modules=DEFAULT, seed=9),  # the SDK's default: lm_head too
+    LoraSpec(rank=3, alpha=6.0, target_modules=("lm_head",), seed=2),  # lm_head alone
+], ids=["projections", "sdk-default", "lm_head"])
+def test_a_lora_trainer_built_the_old_way_and_an_adapter_on_a_shared_base_agree_bit_for_bit(base, qwen2_dir, spec):
     """Trainer(lora=spec) (a peft-wrapped private copy) and AdapterTrainer(base, spec): the same
     initial weights under peft's names, then the same logprobs and gradients (plain and
-    shared-prefix batches), the same AdamW steps and the same samples."""
-    spec = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"), seed=9)
-    old, new = Trainer.from_pretrained(qwen2_dir, lora=spec), AdapterTrainer(base, spec)
+    shared-prefix batches), the same AdamW steps and the same samples. With lm_head: peft's LoRA
+    of the (tied) unembedding, computed by peft's own formula on the Trainer's side."""
+    agree_bit_for_bit(Trainer.from_pretrained(qwen2_dir, lora=spec), AdapterTrainer(base, spec), base)
+
+
+def agree_bit_for_bit(old, new, base) -> None:
     assert list(old.params) == list(new.params)
     assert all(torch.equal(old.params[n], new.params[n]) for n in old.params)
     perturb(old, 5)
@@ -306,11 +319,92 @@ def test_a_lora_trainer_built_the_old_way_and_an_adapter_on_a_shared_base_agree_
         assert grads_equal(grads_of(old), grads_of(new))
         assert old.optim_step(adam) == new.optim_step(adam)
         assert all(torch.equal(old.params[n].view(torch.int32), new.params[n].view(torch.int32)) for n in old.params)
-    request = SampleRequest((5, 6, 7, 8), SamplingParams(max_tokens=6, seed=4, stop=()), num_samples=2)
+    request = SampleRequest((5, 6, 7, 8), SamplingParams(max_tokens=6, seed=4, stop=()), num_samples=2,
+                            prompt_logprobs=True)
     a = Sampler(old.model, old.tokenizer).sample([request])[0]
-    b = Sampler(base.model, base.tokenizer).sample([SampleRequest(request.prompt, request.params, 2,
-                                                                  adapter=new.snapshot())])[0]
+    b = Sampler(base.model, base.tokenizer).sample([dataclasses.replace(request, adapter=new.snapshot())])[0]
     assert same_sequences(a.sequences, b.sequences)
+    assert np.array_equal(bits(a.prompt_logprobs), bits(b.prompt_logprobs))
+
+
+@pytest.fixture(scope="module")
+def untied_dir(tmp_path_factory):
+    """A tiny Qwen2 whose lm_head is its own matrix (tie_word_embeddings false)."""
+    from lockstep.engine.tiny import save_model_dir, tiny_config
+
+    cfg = tiny_config(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+    cfg.tie_word_embeddings = False
+    return str(save_model_dir(tmp_path_factory.mktemp("untied"), cfg, seed=4))
+
+
+def test_an_lm_head_adapter_on_an_untied_base_is_the_peft_trainers_and_packs(untied_dir, tenants):
+    """On a base whose lm_head is not the embeddings: the SDK's default adapter agrees with the peft
+    Trainer bit for bit, and its rows sample and train packed with another lm_head tenant as alone;
+    neither matrix of the base moves."""
+    base = SharedBase.from_pretrained(untied_dir)
+    head, embed = base.hf_model.lm_head.weight, base.hf_model.model.embed_tokens.weight
+    assert head.data_ptr() != embed.data_ptr()
+    before = (head.clone(), embed.clone())
+    spec = LoraSpec(rank=4, alpha=4.0, target_modules=DEFAULT, seed=9)
+    agree_bit_for_bit(Trainer.from_pretrained(untied_dir, lora=spec), AdapterTrainer(base, spec), base)
+    ts = [AdapterTrainer(base, LoraSpec(rank=r, target_modules=targets, seed=r), name=f"u{r}")
+          for r, targets in ((2, ("lm_head",)), (5, ("v_proj", "lm_head")))]
+    for i, t in enumerate(ts):
+        perturb(t, 40 + i)
+    rng = random.Random(6)
+    reqs = [requests_for(i, t.snapshot(), rng, greedy=False) for i, t in enumerate(ts)]
+    sampler = Sampler(base.model, base.tokenizer)
+    alone = [sampler.sample(r) for r in reqs]
+    mixed = sampler.sample(reqs[1] + reqs[0])
+    for a, b in zip(alone[1] + alone[0], mixed):
+        assert same_sequences(a.sequences, b.sequences)
+    groups = groups_for(ts, rng)
+    expected = [t.forward_backward(g.data, g.loss_fn, g.loss_fn_config) for t, g in zip(ts, groups)]
+    grads = [grads_of(t) for t in ts]
+    for t in ts:
+        t.zero_grad()
+    packed = packed_forward_backward(base, groups[::-1])
+    assert outputs_equal(packed[1], expected[0]) and outputs_equal(packed[0], expected[1])
+    assert all(grads_equal(grads_of(t), g) for t, g in zip(ts, grads))
+    assert torch.equal(head, before[0]) and torch.equal(embed, before[1])
+
+
+@pytest.mark.parametrize("path", ["fused", "triton"])
+def test_an_lm_head_adapter_changes_only_its_own_rows_logits(base, tenants, micro_dir, path):
+    """The logits path alone, on the fused CPU kernels and the Triton kernels (interpreter, micro
+    model): rows of two lm_head adapters and the bare base in one call; each row's logits are its
+    alone bits (without and under autograd), the bare rows are the base's, and the adapter's
+    update is real (its rows differ from the base's). Gradients of one adapter's rows' logits
+    reach its lm_head factors only, bit for bit as alone."""
+    if path == "triton":
+        base = SharedBase.from_pretrained(micro_dir, compute=Compute("cpu", "float32", kernels="triton"))
+        tenants = [tenant(base, i) for i in range(3)]
+    model = base.model
+    assert model.path == path
+    hidden = torch.randn(7, 5, base.model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    a, b = tenants[0].snapshot(), tenants[2].snapshot()  # both adapt lm_head
+    rows = (1, -1, 0, 0, 1, -1, 0)
+    with torch.no_grad():
+        mixed = model.logits(hidden, AdapterAssignment((a, b), rows))
+        bare = model.logits(hidden)
+        for r, k in enumerate(rows):
+            alone = model.logits(hidden[r : r + 1], AdapterAssignment(((a, b)[k],), (0,)) if k >= 0 else None)
+            assert torch.equal(mixed[r : r + 1].view(torch.int32), alone.view(torch.int32)), r
+            assert torch.equal(mixed[r], bare[r]) == (k < 0), r
+    t = tenants[0]
+    t.zero_grad()
+    with torch.enable_grad():
+        alone = model.logits(hidden[[2, 3, 6]], AdapterAssignment((t.adapter,), (0, 0, 0)))
+        alone.square().sum().backward()
+    expected = grads_of(t)
+    t.zero_grad()
+    with torch.enable_grad():
+        out = model.logits(hidden, AdapterAssignment((t.adapter, b), rows))
+        assert torch.equal(out[[2, 3, 6]].view(torch.int32), alone.detach().view(torch.int32))
+        out[[2, 3, 6]].square().sum().backward()
+    got = grads_of(t)
+    t.zero_grad()
+    assert grads_equal(got, expected) and set(got) == {n for n in t.params if "lm_head" in n}
 
 
 def test_a_snapshot_is_immutable_and_the_base_never_moves(base, tenants):
@@ -367,12 +461,13 @@ def test_adapter_state_round_trips_bit_for_bit_and_is_a_lora_trainers_state(base
         AdapterTrainer.from_state(base, tmp_path / "full")
 
 
-def test_exports_are_the_lora_trainers_adapter_and_merged_formats(base, qwen2_dir, tmp_path):
+@pytest.mark.parametrize("targets", [("q_proj", "k_proj", "gate_proj"), ("q_proj", "lm_head")])
+def test_exports_are_the_lora_trainers_adapter_and_merged_formats(base, qwen2_dir, tmp_path, targets):
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    spec = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "k_proj", "gate_proj"), seed=1)
+    spec = LoraSpec(rank=4, alpha=8.0, target_modules=targets, seed=1)
     old, new = Trainer.from_pretrained(qwen2_dir, lora=spec), AdapterTrainer(base, spec)
     perturb(old, 8)
     perturb(new, 8)
@@ -390,10 +485,41 @@ def test_exports_are_the_lora_trainers_adapter_and_merged_formats(base, qwen2_di
     assert not any(hasattr(m, "lora_A") for m in base.hf_model.modules())  # the shared base is never wrapped
 
 
+def test_a_merged_lm_head_adapter_over_tied_embeddings_unties_them(base, qwen2_dir, tmp_path):
+    """The merge of an lm_head adapter on a base whose lm_head is its embeddings: lm_head becomes
+    W + (B A) * scaling, the embeddings stay W, and the config says untied, from a Trainer and an
+    AdapterTrainer alike (the same bytes), so the merged model loads with both matrices as exported.
+    Control: peft's own merge adds the update into the one tied matrix, changing the embeddings."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    spec = LoraSpec(rank=4, alpha=8.0, target_modules=("lm_head",), seed=1)
+    old, new = Trainer.from_pretrained(qwen2_dir, lora=spec), AdapterTrainer(base, spec)
+    perturb(old, 8)
+    perturb(new, 8)
+    w = base.hf_model.model.embed_tokens.weight.detach()
+    f = new.adapter.factors[(-1, "lm_head")]
+    head = w + (f.b.detach() @ f.a.detach()) * f.scaling
+    for who, trainer in (("old", old), ("new", new)):
+        out = trainer.save_weights_for_sampler(tmp_path / who, kind="merged")
+        assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+        saved = load_file(str(out / "model.safetensors"))
+        assert torch.equal(saved["model.embed_tokens.weight"], w) and torch.equal(saved["lm_head.weight"], head)
+        loaded = AutoModelForCausalLM.from_pretrained(str(out))
+        assert torch.equal(loaded.lm_head.weight, head) and torch.equal(loaded.model.embed_tokens.weight, w)
+    a, b = (load_file(str(tmp_path / who / "model.safetensors")) for who in ("old", "new"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int32), b[k].view(torch.int32)) for k in a)
+    import copy
+
+    merged = copy.deepcopy(old.hf_model).merge_and_unload()  # control: peft's merge of the tied matrix
+    assert not torch.equal(merged.model.embed_tokens.weight, w)
+
+
 @pytest.mark.parametrize("spec, match", [
     (LoraSpec(rank=33), "lora rank 33 exceeds this base's limit .* at most 32"),
     (LoraSpec(rank=65, target_modules=("q_proj",)), "at most 64"),
-    (LoraSpec(target_modules=("lm_head",)), r"\['lm_head'\] cannot be adapted on a shared base; choose from"),
+    (LoraSpec(target_modules=("embed_tokens",)), r"\['embed_tokens'\] cannot be adapted on a shared base; choose from"),
+    (LoraSpec(rank=65, target_modules=("lm_head",)), "at most 64"),
     (LoraSpec(target_modules=("q_proj", "qkv")), r"\['qkv'\] cannot be adapted"),
 ])
 def test_an_adapter_the_base_cannot_take_is_refused_naming_the_limit(base, spec, match):
@@ -437,7 +563,7 @@ def test_on_the_triton_path_packed_equals_alone(micro_dir, dtype):
     base = SharedBase.from_pretrained(micro_dir, compute=Compute("cpu", dtype, kernels="triton"))
     assert base.model.path == "triton"
     ts = [AdapterTrainer(base, LoraSpec(rank=r, target_modules=targets, seed=r), name=f"t{r}")
-          for r, targets in ((2, ALL), (4, ("q_proj", "o_proj", "up_proj")))]
+          for r, targets in ((2, DEFAULT), (4, ("q_proj", "o_proj", "up_proj")))]
     for i, t in enumerate(ts):
         perturb(t, i, scale=0.2)
     rng = random.Random(4)

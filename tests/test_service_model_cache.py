@@ -9,8 +9,8 @@ import torch
 
 from test_service_api import fwdbwd
 
-LORA = {"rank": 4, "seed": 7, "train_unembed": False}
-"""Attention and MLP: a LoRA the shared base takes (lm_head needs a private copy, for now)."""
+LORA = {"rank": 4, "seed": 7}
+"""The Tinker SDK's default LoRA: attention, MLP and lm_head (train_unembed), on the shared base."""
 ADAM = {"learning_rate": 1e-2}
 SAMPLE = {"num_samples": 2, "sampling_params": {"max_tokens": 6, "temperature": 1.0, "seed": 11}}
 
@@ -36,9 +36,9 @@ def moments(trainer) -> list[torch.Tensor]:
 
 
 def test_lora_clients_and_sessions_share_one_base(tmp_path, builtin_dir):
-    """Three LoRA clients and their sampling sessions run on one SharedBase; each client holds only
-    its adapter (its count: weights, gradients and two AdamW moments); an lm_head LoRA and a full
-    fine-tuning client keep copies of their own."""
+    """Three LoRA clients (lm_head included, the SDK's default) and their sampling sessions run on one
+    SharedBase; each client holds only its adapter (its count: weights, gradients and two AdamW
+    moments); so does a LoRA without lm_head; only a full fine-tuning client keeps a copy of its own."""
     host = make_host(tmp_path, "h")
     for i in range(3):
         host.create_model(f"m{i}", builtin_dir, {**LORA, "seed": i})
@@ -51,9 +51,10 @@ def test_lora_clients_and_sessions_share_one_base(tmp_path, builtin_dir):
     weights = [*base.hf_model.parameters(), *base.hf_model.buffers()]
     assert client_bytes == 4 * adapter and base_bytes == sum(t.numel() * t.element_size() for t in weights)
     assert host.models.total == base_bytes + 3 * client_bytes + 3 * adapter  # three clients, three snapshots
-    host.create_model("private", builtin_dir, {"rank": 4, "seed": 1})  # trains lm_head: a peft copy
+    assert any("lm_head" in n for n in host.trainers["m0"].params)
+    host.create_model("projections", builtin_dir, {**LORA, "train_unembed": False})
     host.create_model("full", builtin_dir, None)
-    assert not hasattr(host.trainers["private"], "base") and not hasattr(host.trainers["full"], "base")
+    assert host.trainers["projections"].base is base and not hasattr(host.trainers["full"], "base")
     assert len(host.bases) == 1
 
 

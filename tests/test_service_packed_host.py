@@ -19,9 +19,10 @@ LORAS = {  # different ranks, targets and seeds: all on the shared base
     "b": {"rank": 4, "seed": 2, "train_unembed": False, "train_mlp": False},
     "c": {"rank": 8, "seed": 3, "train_unembed": False, "train_attn": False},
     "d": {"rank": 4, "seed": 4, "train_unembed": False},
+    "e": {"rank": 4, "seed": 6},  # the SDK's default (train_unembed): lm_head too, on the shared base
 }
-PRIVATE = {"p": {"rank": 4, "seed": 5}}
-"""Trains lm_head too: a private peft copy, which runs alone."""
+PRIVATE = {"p": {"rank": 0}}
+"""A full fine-tune (rank 0): a private copy of the model, which runs alone."""
 ADAM = {"learning_rate": 1e-2}
 
 
@@ -71,9 +72,9 @@ def alone(tmp_path, builtin_dir, mid: str, lora: dict, steps) -> tuple[list, dic
 
 
 def test_a_mixed_training_batch_is_one_packed_call_with_the_alone_bytes(tmp_path, builtin_dir, monkeypatch):
-    """Four LoRA clients (ranks 2-8, attention, MLP or both) and an lm_head LoRA (private copy):
-    forward_backward, optim_step, forward. The four shared ones go through ONE
-    packed_forward_backward and ONE packed_forward call; the private one alone. Every response's
+    """Five LoRA clients (ranks 2-8, attention, MLP or both, one with lm_head too) and a full
+    fine-tune (private copy): forward_backward, optim_step, forward. The five shared ones go through
+    ONE packed_forward_backward and ONE packed_forward call; the private one alone. Every response's
     bytes and every model's weights after the step equal those of the model alone on a fresh host."""
     from lockstep.engine import packed
 
@@ -96,9 +97,9 @@ def test_a_mixed_training_batch_is_one_packed_call_with_the_alone_bytes(tmp_path
         for mid, r in zip(models, results):
             assert not isinstance(r, Exception), r
             got[mid].append(r)
-    # one packed call of the four shared models each time (the private one ran alone, not packed)
-    assert fb_calls.sizes == [4] and fwd_calls.sizes == [4]
-    assert host.batch_stats["train_calls"] == 2 and host.batch_stats["train_packed_members"] == 8
+    # one packed call of the five shared models each time (the private one ran alone, not packed)
+    assert fb_calls.sizes == [5] and fwd_calls.sizes == [5]
+    assert host.batch_stats["train_calls"] == 2 and host.batch_stats["train_packed_members"] == 10
     monkeypatch.undo()
     for mid, lora in models.items():
         responses, weights = alone(tmp_path, builtin_dir, mid, lora, steps[mid])
@@ -170,9 +171,9 @@ def sample_alone(tmp_path, builtin_dir, mid: str, lora: dict | None, body: dict)
 
 
 def test_a_mixed_sampling_batch_is_one_sampler_call_with_the_alone_bytes(tmp_path, builtin_dir, monkeypatch):
-    """Four LoRA sessions, the bare base and an lm_head LoRA's session (a private skeleton) sample
-    seeded requests of different prompts, lengths, num_samples and prompt_logprobs in one batch;
-    a hostile member asks for a stop token out of range and another for top_p 5. The five shared
+    """Five LoRA sessions (one with lm_head), the bare base and a full fine-tune's session (a private
+    skeleton) sample seeded requests of different prompts, lengths, num_samples and prompt_logprobs
+    in one batch; a hostile member asks for a stop token out of range and another for top_p 5. The six shared
     ones go through ONE Sampler.sample call; each member's bytes (tokens, logprobs, prompt
     logprobs) equal its alone ones; the hostile members fail alone with their alone messages.
     The control: the same hostile request in one sampler call with the others fails them all."""
@@ -189,8 +190,8 @@ def test_a_mixed_sampling_batch_is_one_sampler_call_with_the_alone_bytes(tmp_pat
     members.insert(2, BatchMember("s-a", bad["a"]))  # a session may have several requests in one batch
     members.append(BatchMember("s-b", bad["b"]))
     results = host.run_batch("sample", members)
-    assert sorted(calls.sizes) == [1, 5]  # the private session alone; the five shared ones in one call
-    assert host.batch_stats["sample_calls"] == 1 and host.batch_stats["sample_packed_members"] == 5
+    assert sorted(calls.sizes) == [1, 6]  # the private session alone; the six shared ones in one call
+    assert host.batch_stats["sample_calls"] == 1 and host.batch_stats["sample_packed_members"] == 6
     assert "stop" in str(results[2]) and "outside the vocabulary" in str(results[2])
     assert "top_p" in str(results[-1])
     monkeypatch.undo()
@@ -305,3 +306,54 @@ def test_the_executor_runs_a_claimed_batch_as_one_packed_call(request, builtin_d
         fresh = make_host(tmp_path, f"fresh-{mid}")
         fresh.create_model(mid, builtin_dir, lora)
         assert done.result == fresh.forward_backward(mid, fwdbwd(mid, 1, tokens=toks[mid]), False)[0]
+
+
+def test_default_sdk_lora_clients_share_the_base_with_their_private_copies_bytes(tmp_path, builtin_dir, monkeypatch):
+    """Three clients with the Tinker SDK's default LoRA (train_unembed=True: every projection and
+    lm_head; ranks 2-8) hold only their adapters on the shared base: the host's cache holds one
+    base and an adapter-sized entry per client, no copy of the model. Packed, their forward_backward,
+    forward and sampling responses and their weights after optim_step are the bytes each got before
+    lm_head was shareable: a private peft copy of the model per client (shares_base forced false),
+    each alone on its own host."""
+    from lockstep.service import host as host_mod
+
+    defaults = {mid: {"rank": rank, "seed": i} for i, (mid, rank) in enumerate((("x", 4), ("y", 8), ("z", 2)))}
+    shared = make_host(tmp_path, "shared")
+    for mid, lora in defaults.items():
+        shared.create_model(mid, builtin_dir, lora)
+    (base,) = shared.bases.values()
+    assert all(t.base is base and any("lm_head" in n for n in t.params) for t in shared.trainers.values())
+    held = {k: e.nbytes for k, e in shared.models.entries.items()}
+    adapters = {mid: sum(p.numel() * 4 for p in t.params.values()) for mid, t in shared.trainers.items()}
+    model_bytes = sum(t.numel() * t.element_size() for t in (*base.hf_model.parameters(), *base.hf_model.buffers()))
+    assert held == {("base", builtin_dir): model_bytes, **{("model", m): 4 * adapters[m] for m in defaults}}
+    assert all(4 * a < model_bytes for a in adapters.values())
+
+    def run(host, mids):
+        """forward_backward, optim_step, forward, then a snapshot's sampling: each batch of `mids`."""
+        out = {m: [] for m in mids}
+        for kind, seed in (("forward_backward", 0), ("optim_step", None), ("forward", 10)):
+            if kind == "optim_step":
+                for m in mids:
+                    host.optim_step(m, ADAM)
+                continue
+            for m, r in zip(mids, host.run_batch(kind, [BatchMember(m, fb_request(m, seed + ord(m))) for m in mids])):
+                out[m].append(r)
+        for m in mids:
+            host.snapshot_session(m, f"s-{m}", f"snap/{m}", builtin_dir, defaults[m])
+        bodies = [BatchMember(f"s-{m}", sample_body(ord(m) % 7)) for m in mids]
+        for m, r in zip(mids, host.run_batch("sample", bodies)):
+            out[m].append(r)
+        return out
+
+    got = run(shared, list(defaults))
+    assert shared.batch_stats["train_packed_members"] == 6 and shared.batch_stats["sample_packed_members"] == 3
+    assert not any(isinstance(r, Exception) for rs in got.values() for r in rs), got
+    monkeypatch.setattr(host_mod, "shares_base", lambda spec: False)  # the host before: a peft copy each
+    for mid, lora in defaults.items():
+        private = make_host(tmp_path, f"private-{mid}")
+        private.create_model(mid, builtin_dir, lora)
+        assert not hasattr(private._trainer(mid), "base") and not private.bases
+        assert got[mid] == run(private, [mid])[mid], mid
+        mine, theirs = shared._trainer(mid).weights_numpy(), private._trainer(mid).weights_numpy()
+        assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine), mid

@@ -29,7 +29,7 @@ from lockstep.engine import state as state_mod
 from lockstep.engine.device import CPU, Compute
 from lockstep.engine.loading import load_model
 from lockstep.engine.model import InvariantLM
-from lockstep.engine.multi_lora import TARGETS
+from lockstep.engine.multi_lora import ADAPTABLE, HEAD, HEAD_LAYER, TARGETS
 from lockstep.engine.trainer import TrainState, adamw_step
 from lockstep.engine.types import (AdamParams, AdapterWeights, Datum, EngineError, ForwardBackwardOutput, LoraFactors,
                                    LoraSpec, TrainGroup)
@@ -54,6 +54,7 @@ class SharedBase:
         names = {id(m): n for n, m in self.hf_model.named_modules()}
         self._module_names = {(i, t): names[id(getattr(m, "base_layer", m))] for i, lp in enumerate(self.model._plan)
                               if lp.moe is None for t, m in zip(TARGETS, lp.projections)}
+        self._module_names[(HEAD_LAYER, HEAD)] = names[id(self.model.lm_head)]  # "lm_head", tied or not
         self._is_moe = any(lp.moe is not None for lp in self.model._plan)
 
     @classmethod
@@ -72,10 +73,10 @@ class SharedBase:
             raise EngineError(f"lora must be a LoraSpec, got {type(spec).__name__}")
         if self._is_moe:
             raise EngineError("LoRA on a mixture-of-experts model is not supported yet; train it fully (lora_rank 0)")
-        unknown = [t for t in spec.target_modules if t not in TARGETS]
+        unknown = [t for t in spec.target_modules if t not in ADAPTABLE]
         if unknown:
             raise EngineError(f"lora target_modules {unknown} cannot be adapted on a shared base; choose from "
-                              f"{list(TARGETS)}")
+                              f"{list(ADAPTABLE)}")
         limit = min(min(self.shapes[(i, t)]) for (i, t) in self.shapes if t in spec.target_modules)
         if spec.rank > limit:
             raise EngineError(f"lora rank {spec.rank} exceeds this base's limit for target_modules "

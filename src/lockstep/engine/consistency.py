@@ -236,10 +236,11 @@ def run(model_dir: str, *, seed: int = 0, max_tokens: int = 16, lora_rank: int =
 
 
 # -- many tenants on one base ---------------------------------------------------------------------
-TENANT_SHAPES = ((4, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
-                 (1, ("q_proj", "v_proj")), (8, ("o_proj", "down_proj")), (2, ("gate_proj", "up_proj", "k_proj")),
-                 (16, ("q_proj", "k_proj", "v_proj", "o_proj")))
-"""Rank and target projections of tenant i (cycled): ranks and target sets differ between tenants."""
+TENANT_SHAPES = ((4, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")),
+                 (1, ("q_proj", "v_proj")), (8, ("o_proj", "down_proj", "lm_head")),
+                 (2, ("gate_proj", "up_proj", "k_proj")), (16, ("q_proj", "k_proj", "v_proj", "o_proj")))
+"""Rank and target projections of tenant i (cycled): ranks and target sets differ between tenants;
+tenant 0 has the Tinker SDK's default set (every projection and lm_head)."""
 TENANT_LOSSES = (("cross_entropy", None), ("importance_sampling", None),
                  ("ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}))
 """Tenant i's loss (cycled): each model's loss and its normalisation run on its own datums."""

@@ -4,6 +4,11 @@ Export writes into a temporary directory and commits it atomically (see checkpoi
 reader never sees a half-written model directory. An adapter on a shared base
 (engine/adapters.py) exports to the same two formats as a peft-wrapped Trainer: a PEFT adapter
 directory (peft's file names, keys and config) and a merged HF directory (peft's merge).
+
+An adapted lm_head over a base whose lm_head is tied to its embeddings is merged into the lm_head
+only: the merged directory is untied (`tie_word_embeddings` false, both matrices written). peft's
+own merge would add the delta in place into the one shared matrix, changing the embeddings too (its
+warning says so), so that the merged model would not compute what the adapter does.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import torch
 
 from lockstep.engine import checkpoint_io
 from lockstep.engine.types import EngineError, LoraSpec
+
+HEAD_WEIGHT = "lm_head.weight"
 
 
 def attach(hf_model, spec: LoraSpec):
@@ -70,9 +77,12 @@ def export(trainer, path, *, kind: str = "merged", overwrite: bool = False) -> P
     def fill(tmp: Path) -> None:
         if kind == "adapter":
             model.save_pretrained(tmp, safe_serialization=True)
+        elif is_lora:
+            twin = copy.deepcopy(model)
+            _untie_adapted_head(twin.base_model.model)
+            twin.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
         else:
-            plain = copy.deepcopy(model).merge_and_unload() if is_lora else model
-            plain.save_pretrained(tmp, safe_serialization=True)
+            model.save_pretrained(tmp, safe_serialization=True)
         trainer.tokenizer.save_pretrained(tmp)
 
     meta = {"format": "lockstep-export", "kind": kind, "base_model": trainer.base_model, "step": trainer.step}
@@ -91,7 +101,10 @@ def export_shared(trainer, path, *, kind: str = "merged", overwrite: bool = Fals
         if kind == "adapter":
             _write_peft_adapter(tmp, base, trainer.adapter, spec)
         else:
-            base.hf_model.save_pretrained(tmp, state_dict=_merged_state(base, trainer.adapter), safe_serialization=True)
+            state = _merged_state(base, trainer.adapter)
+            base.hf_model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            if _tied(base.hf_model) and _head_adapted(base, trainer.adapter):
+                _untie_config(tmp)
         trainer.tokenizer.save_pretrained(tmp)
 
     meta = {"format": "lockstep-export", "kind": kind, "base_model": trainer.base_model, "step": trainer.step}
@@ -112,6 +125,9 @@ def _write_peft_adapter(tmp: Path, base, adapter, spec: LoraSpec) -> None:
         stem = f"base_model.model.{base.module_name(layer, target)}"
         tensors[f"{stem}.lora_A.weight"] = f.a.detach().cpu().contiguous()
         tensors[f"{stem}.lora_B.weight"] = f.b.detach().cpu().contiguous()
+        if f"{base.module_name(layer, target)}.weight" == HEAD_WEIGHT:  # peft's save_embedding_layers="auto":
+            # a targeted lm_head's base matrix is written too
+            tensors[f"{stem}.base_layer.weight"] = base.hf_model.get_output_embeddings().weight.detach().cpu().contiguous()
     save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
@@ -123,5 +139,33 @@ def _merged_state(base, adapter) -> dict[str, torch.Tensor]:
         for (layer, target), f in adapter.factors.items():
             key = f"{base.module_name(layer, target)}.weight"
             state[key] = state[key] + (f.b.detach() @ f.a.detach()) * f.scaling
-    moved: dict[int, torch.Tensor] = {}  # tied weights (embeddings and LM head) stay one tensor
+    moved: dict[int, torch.Tensor] = {}  # tied weights (embeddings and LM head) stay one tensor, unless adapted
     return {k: moved[id(v)] if id(v) in moved else moved.setdefault(id(v), v.detach().cpu()) for k, v in state.items()}
+
+
+def _tied(hf_model) -> bool:
+    return hf_model.get_output_embeddings().weight is hf_model.get_input_embeddings().weight
+
+
+def _head_adapted(base, adapter) -> bool:
+    return any(f"{base.module_name(*key)}.weight" == HEAD_WEIGHT for key in adapter.factors)
+
+
+def _untie_adapted_head(causal) -> None:
+    """In a (copied) peft model whose lm_head LoRA wraps the embeddings' matrix: give the lm_head
+    its own copy, so that the merge changes it alone, and say so in the config."""
+    head = causal.get_output_embeddings()
+    if hasattr(head, "base_layer") and head.base_layer.weight is causal.get_input_embeddings().weight:
+        head.base_layer.weight = torch.nn.Parameter(head.base_layer.weight.detach().clone(), requires_grad=False)
+        causal.config.tie_word_embeddings = False
+
+
+def _untie_config(directory: Path) -> None:
+    """The saved config of a merge whose lm_head now differs from the embeddings: untied (a loader
+    would otherwise tie them again and drop the adapted lm_head)."""
+    import json
+
+    path = Path(directory) / "config.json"
+    config = json.loads(path.read_text())
+    config["tie_word_embeddings"] = False
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -11,8 +11,9 @@ decode step makes 4 matmul calls per layer instead of 7. Outside autograd the fu
 cached and re-derived whenever a parameter's in-place version counter moves.
 
 LoRA: a call may name an adapter per row (`adapters`, an AdapterAssignment: one frozen base serving
-many tenants); each row then gets its own adapter's update after every product (engine/multi_lora.py).
-A peft-wrapped model's own adapter goes through the same code, on every row.
+many tenants); each row then gets its own adapter's update after every product (engine/multi_lora.py),
+the logits' too (`logits(hidden, adapters)`: an adapter's lm_head). A peft-wrapped model's own
+adapter goes through the same code, on every row.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from lockstep.engine import invariant as inv
 from lockstep.engine.device import CPU, Compute
 from lockstep.engine.invariant import KEY_BLOCK, ROW_TILE, round_up
-from lockstep.engine.multi_lora import GROUPS, TARGETS, RowLora, check_adapter
+from lockstep.engine.multi_lora import GROUPS, HEAD, HEAD_LAYER, TARGETS, RowLora, check_adapter
 from lockstep.engine.rows import copy_rows
 from lockstep.engine.types import AdapterAssignment, AdapterWeights, EngineError, LoraFactors, LoraSpec
 
@@ -333,12 +334,15 @@ class InvariantLM:
         self._checked.add(adapter)
 
     def projection_shapes(self) -> dict[tuple[int, str], tuple[int, int]]:
-        """(layer, target) -> (in, out) of every projection an adapter may target (dense layers)."""
+        """(layer, target) -> (in, out) of every projection an adapter may target (dense layers),
+        and (HEAD_LAYER, "lm_head") -> (hidden, vocab), the unembedding."""
         out = {}
         for i, lp in enumerate(self._plan):
             if lp.moe is None:
                 for t, m in zip(TARGETS, lp.projections):
                     out[(i, t)] = (_base(m).weight.shape[1], _base(m).weight.shape[0])
+        head = _base(self.lm_head).weight
+        out[(HEAD_LAYER, HEAD)] = (head.shape[1], head.shape[0])
         return out
 
     def _peft_own_adapter(self) -> AdapterWeights | None:
@@ -475,16 +479,27 @@ class InvariantLM:
             out[f"router/l{i}_experts_used:max"] = float((counts > 0).sum().item())
         return out
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return apply_linear(self.lm_head, hidden, self._lin)
+    def logits(self, hidden: torch.Tensor, adapters: AdapterAssignment | None = None) -> torch.Tensor:
+        """Logits (..., V) of hidden (B, ..., H). adapters: each of the B rows' adapter (its rows
+        and token limits as in `hidden_states`, over the flattened middle dims), whose lm_head
+        update is added to that row's logits; None: a peft model's own lm_head adapter, or none."""
+        if adapters is None or not any((HEAD_LAYER, HEAD) in a.factors for a in adapters.adapters):
+            return apply_linear(self.lm_head, hidden, self._lin)  # no row has an lm_head update
+        length = hidden[0].numel() // hidden.shape[-1] if hidden.shape[0] else 1
+        rl = self._row_lora(adapters, hidden.shape[0], length)
+        head = _base(self.lm_head)
+        y = self._lin(hidden, head.weight, head.bias)
+        return rl.project(HEAD_LAYER, "head", y, hidden, (head.weight.shape[0],), self._lin, self.path == "fused")
 
-    def logprobs_of(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def logprobs_of(self, hidden: torch.Tensor, targets: torch.Tensor,
+                    adapters: AdapterAssignment | None = None) -> torch.Tensor:
         """log p(target) for each hidden row; hidden (..., H), targets (...)."""
-        return self.logprobs_and_entropy(hidden, targets)[0]
+        return self.logprobs_and_entropy(hidden, targets, adapters)[0]
 
-    def logprobs_and_entropy(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def logprobs_and_entropy(self, hidden: torch.Tensor, targets: torch.Tensor,
+                             adapters: AdapterAssignment | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """log p(target) and the entropy of the next-token distribution (no gradient) per row."""
-        lp = self.log_softmax(self.logits(hidden))
+        lp = self.log_softmax(self.logits(hidden, adapters))
         with torch.no_grad():
             entropy = -(lp.exp() * lp).sum(-1)
         return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
@@ -556,7 +571,7 @@ def _group_widths(lp: _LayerPlan) -> dict[str, tuple[int, ...]]:
     if lp.moe is not None:
         return {}
     mods = dict(zip(TARGETS, lp.projections))
-    return {g: tuple(_base(mods[t]).weight.shape[0] for t in ts) for g, ts in GROUPS.items()}
+    return {g: tuple(_base(mods[t]).weight.shape[0] for t in ts) for g, ts in GROUPS.items() if g != "head"}
 
 
 def _is_moe(mlp) -> bool:

@@ -22,9 +22,17 @@ How a packed batch flows through the forward (InvariantLM, every path):
   packed trainer's padding past a tenant's own length runs on the bare base, and the gradient
   products cover exactly the rows the tenant has alone (engine/packed.py). The input's gradient
   gets one term per projection, in the order autograd added peft's (v, k, q), then the base's.
+* The unembedding (`lm_head`, tied to the embeddings or not) is one more target, keyed
+  (HEAD_LAYER, "lm_head"): `InvariantLM.logits` takes the call's assignment too and adds each
+  row's `((h_a A^T) B^T) * scaling` (A: rank x hidden, B: vocab x rank) after the base's logits,
+  through the same `project` (the fused kernel's table holds it as one more layer row), so the
+  sampler's logits and the trainer's are the same bits, alone and packed; its dA, dB are products
+  over the adapter's own logit rows, as for the other targets. A tied base's embedding is never
+  touched (peft's lm_head LoRA adapts the output side only).
 * A peft-wrapped model (a `Trainer` with `lora=`) goes through the same code, its adapter read from
-  the peft layers and applied to every row: a LoRA trainer built the old way and an adapter on a
-  shared base compute the same bits from the same weights.
+  the peft layers and applied to every row (its lm_head adapter through `apply_linear`, peft's own
+  computation on all rows): a LoRA trainer built the old way and an adapter on a shared base
+  compute the same bits from the same weights.
 
 A hostile adapter (huge or NaN weights) can only reach its own rows: nothing here mixes rows of
 two adapters, and the base's products and attention never mix two rows' values.
@@ -40,11 +48,18 @@ import torch
 from lockstep.engine.types import AdapterAssignment, AdapterWeights, EngineError, LoraFactors
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""What an adapter on a shared base may target, in the order of kernels/stack.cpp's projections."""
+"""A decoder layer's projections an adapter may target, in the order of kernels/stack.cpp's."""
+HEAD = "lm_head"
+HEAD_LAYER = -1
+"""The unembedding's key in `AdapterWeights.factors`: (HEAD_LAYER, HEAD), after every layer."""
+ADAPTABLE = TARGETS + (HEAD,)
+"""Every target an adapter on a shared base may name."""
 GROUPS = {"attn": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "mlp": ("gate_proj", "up_proj"),
-          "down": ("down_proj",)}
-"""The projections each product of a layer computes at once."""
-_PROJ = {t: i for i, t in enumerate(TARGETS)}
+          "down": ("down_proj",), "head": (HEAD,)}
+"""The projections each product computes at once (a layer's four groups, and the logits)."""
+_PROJ = {**{t: i for i, t in enumerate(TARGETS)}, HEAD: 0}
+"""Each target's column in its row of the kernel's AdapterTable (lm_head: the one column of the
+row after the layers')."""
 
 _TABLES: "weakref.WeakKeyDictionary[AdapterWeights, object]" = weakref.WeakKeyDictionary()
 """Each adapter's kernels/lora.cpp AdapterTable (references to its tensors, so in-place optimizer
@@ -56,11 +71,15 @@ def _table(adapter: AdapterWeights, num_layers: int):
     if table is None:
         from lockstep.engine import kernels
 
-        layers = [[None] * len(TARGETS) for _ in range(num_layers)]
+        layers = [[None] * len(TARGETS) for _ in range(num_layers)] + [[None]]  # the last row: lm_head
         for (layer, target), f in adapter.factors.items():
-            layers[layer][_PROJ[target]] = (f.a, f.b, float(f.scaling))
+            layers[_table_row(layer, num_layers)][_PROJ[target]] = (f.a, f.b, float(f.scaling))
         table = _TABLES[adapter] = kernels.load().AdapterTable(layers)
     return table
+
+
+def _table_row(layer: int, num_layers: int) -> int:
+    return num_layers if layer == HEAD_LAYER else layer
 
 
 class RowLora:
@@ -132,8 +151,8 @@ class _Plan:
             from lockstep.engine import kernels
 
             tables, flat = self.rl.stack_args()
-            return kernels.load().lora_add(y2, x2, flat, tables, self.layer, [_PROJ[t] for t in self.targets],
-                                           list(self.widths))
+            return kernels.load().lora_add(y2, x2, flat, tables, _table_row(self.layer, self.rl.num_layers),
+                                           [_PROJ[t] for t in self.targets], list(self.widths))
         out = y2.clone()
         for _, idx, fs in self.active:
             xk = x2.index_select(0, idx)
@@ -210,7 +229,8 @@ def check_adapter(adapter: AdapterWeights, shapes: dict[tuple[int, str], tuple[i
     for key, f in adapter.factors.items():
         if key not in shapes:
             raise EngineError(f"{what} ({adapter.name!r}): {key} is not a projection of this base; it has layers "
-                              f"0..{max(k[0] for k in shapes)} and targets {list(TARGETS)}")
+                              f"0..{max(k[0] for k in shapes)} with targets {list(TARGETS)}, and "
+                              f"{(HEAD_LAYER, HEAD)}")
         fan_in, fan_out = shapes[key]
         a, b = f.a, f.b
         if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.dim() != 2 or b.dim() != 2:

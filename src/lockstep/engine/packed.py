@@ -148,8 +148,9 @@ def _plain_forward(model, groups: list[_Group], adapters, lp_of, entropy_of) -> 
     valid = torch.cat([_pad(g.batch.valid_BT, T) for g in groups])
     rows = tuple(g.slot for g in groups for _ in g.batch.lengths)
     own = tuple(g.batch.tokens_BT.shape[1] for g in groups for _ in g.batch.lengths)
-    hidden = model.hidden_states(tokens, adapters=AdapterAssignment(adapters, rows, own))
-    lp_BT, entropy_BT = model.logprobs_and_entropy(hidden, targets.to(hidden.device))
+    assignment = AdapterAssignment(adapters, rows, own)  # an adapter's lm_head too: its rows up to its own length
+    hidden = model.hidden_states(tokens, adapters=assignment)
+    lp_BT, entropy_BT = model.logprobs_and_entropy(hidden, targets.to(hidden.device), assignment)
     _split(groups, lp_BT[valid.to(lp_BT.device)], entropy_BT[valid.to(lp_BT.device)], lp_of, entropy_of)
 
 

@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 
 from lockstep.engine.rows import copy_rows
+from lockstep.engine.types import AdapterAssignment
 
 MIN_SHARED = 4
 """Shortest prefix worth sharing (tokens)."""
@@ -110,8 +111,11 @@ def shared_prefix_logsoftmax(model, inputs: Sequence[tuple[int, ...]], plan: Pre
     positions = torch.tensor(plan.shared).unsqueeze(1) + torch.arange(S)
     suf_hidden = model.hidden_states(suf_tokens, positions, rows, adapters=suf_lora)
     hidden = torch.cat([pre_hidden.reshape(P * Tp, -1), suf_hidden.reshape(B * S, -1)])
-    index = []
+    index, head_rows = [], []
     for d, (n, o) in enumerate(zip(plan.shared, plan.owner)):
         index += range(o * Tp, o * Tp + n)
         index += range(P * Tp + d * S, P * Tp + d * S + suf_lens[d])
-    return model.log_softmax(model.logits(copy_rows(hidden, index)))
+        if suf_lora is not None:  # datum d's logit rows are its model's (an lm_head adapter's rows)
+            head_rows += [suf_lora.rows[d]] * (n + suf_lens[d])
+    head = AdapterAssignment(suf_lora.adapters, tuple(head_rows)) if suf_lora is not None else None
+    return model.log_softmax(model.logits(copy_rows(hidden, index), head))

@@ -233,13 +233,15 @@ class Sampler:
         for i, r in enumerate(requests):
             tokens[i, : lens[i]] = torch.tensor(r.prompt)
         cache = self.model.new_cache(P, capacity)
-        hidden = self._hidden(tokens, torch.arange(T).expand(P, T), cache, lora.assignment() if lora else None)
+        assignment = lora.assignment() if lora else None
+        hidden = self._hidden(tokens, torch.arange(T).expand(P, T), cache, assignment)
         last = hidden[torch.arange(P), torch.tensor(lens) - 1]
-        logits = self.model.logits(last)
+        logits = self.model.logits(last, assignment)  # each row's lm_head adapter too: the trainer's logits
         prompt_lps: list = [None] * P
         want = [i for i, r in enumerate(requests) if r.prompt_logprobs]
         if want and T > 1:
-            lp = self.model.logprobs_of(hidden[want, :-1], tokens[want, 1:])
+            sub = lora.select(torch.tensor(want)).assignment() if lora else None
+            lp = self.model.logprobs_of(hidden[want, :-1], tokens[want, 1:], sub)
             for j, i in enumerate(want):
                 prompt_lps[i] = (math.nan, *lp[j, : lens[i] - 1].tolist())
         for i in want:
@@ -316,7 +318,7 @@ class Sampler:
             if drafts is None:  # plain decoding: feed the token, get the next logits
                 hidden = self._hidden(tokens.unsqueeze(1), rows.positions.unsqueeze(1), rows.cache, rows.adapters())
                 rows.positions = rows.positions + alive.long()  # finished rows stay put (bounded cache)
-                logits = self.model.logits(hidden[:, 0])
+                logits = self.model.logits(hidden[:, 0], rows.adapters())
             else:
                 logits = self._verify(rows, alive, tokens, drafts, lengths, tape, link)
             if self.auto is not None:  # the whole step: drafting, the forward and the acceptance
@@ -386,7 +388,8 @@ class Sampler:
         feed = torch.cat([tokens.unsqueeze(1), drafts], dim=1)
         offsets = torch.arange(k + 1).unsqueeze(0) * alive.long().unsqueeze(1)  # finished rows stay put
         positions = rows.positions.unsqueeze(1) + offsets
-        all_logits = self.model.logits(self._hidden(feed, positions, rows.cache, rows.adapters()))  # (R, k+1, V)
+        adapters = rows.adapters()
+        all_logits = self.model.logits(self._hidden(feed, positions, rows.cache, adapters), adapters)  # (R, k+1, V)
         steps = tape.n_out[rows.ids].unsqueeze(1) + torch.arange(k)
         picks = rows.params.select(torch.arange(R).repeat_interleave(k))
         samples, lps = choose(all_logits[:, :k].reshape(R * k, -1), picks, steps.reshape(-1), self.model.ops)
@@ -442,7 +445,7 @@ class Sampler:
         rows.cache = self.model.new_cache(len(seqs), rows.cache.capacity)
         hidden = self._hidden(tokens, torch.arange(T).expand(len(seqs), T), rows.cache, rows.adapters())
         rows.positions = lens
-        return self.model.logits(hidden[torch.arange(len(seqs)), lens - 1])
+        return self.model.logits(hidden[torch.arange(len(seqs)), lens - 1], rows.adapters())
 
     def _results(self, requests, owner, out: _Out, prompt_lps) -> list[SampleResult]:
         seqs: list[list[SampledSequence]] = [[] for _ in requests]

@@ -8,12 +8,14 @@ restarts (named saves, ephemeral sampler snapshots, a model's durable state) go 
 What it holds (service/models_cache.py, one LRU counted in bytes against `model_cache_bytes`):
 - one `SharedBase` per base model (this host's device and dtype): the frozen base that every LoRA
   client and every LoRA or base sampling session of it runs on;
-- per LoRA client, an `AdapterTrainer` on that base: its adapter, gradients and AdamW moments;
-- per full fine-tuning client (or a LoRA that also trains lm_head, which a shared base cannot
-  adapt yet), its own `Trainer`, a private copy of the model;
+- per LoRA client (any of the SDK's target sets: attention, MLP, lm_head), an `AdapterTrainer` on
+  that base: its adapter, gradients and AdamW moments;
+- per full fine-tuning client, its own `Trainer`, a private copy of the model. That is all that
+  stays private: a full fine-tune changes the base's own weights. (A LoRA the shared base cannot
+  take, such as one on a mixture-of-experts base, is refused rather than copied.)
 - per LoRA sampling session, its adapter snapshot (the shared base's sampler reads it per row); per
-  full session, its pinned weights over a sampler skeleton (one per base model and LoRA shape,
-  whose parameters are pointed at the session's weights before a batch, without a copy).
+  full session, its pinned weights over a sampler skeleton (one per base model, whose parameters
+  are pointed at the session's weights before a batch, without a copy).
 Over the budget, the least recently used go first: a trainer is spilled to this host's spill
 storage (save_state, plus the gradients accumulated since its last optim_step) and rebuilt from it,
 bit for bit, on its next request; a session is reopened from its saved weights; a base goes only
@@ -42,8 +44,9 @@ log = logging.getLogger("lockstep.host")
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
-SHAREABLE = ATTN + MLP
-"""Targets a shared base adapts per row (engine/multi_lora.TARGETS); lm_head needs a private copy."""
+HEAD = ("lm_head",)
+SHAREABLE = ATTN + MLP + HEAD
+"""Targets a shared base adapts per row (engine/multi_lora.ADAPTABLE): every one lora_spec makes."""
 
 
 class HostError(Exception):
@@ -57,7 +60,7 @@ def lora_spec(cfg: dict | None):
         return None
     targets = (ATTN if cfg.get("train_attn", True) else ()) + (MLP if cfg.get("train_mlp", True) else ())
     if cfg.get("train_unembed", True):
-        targets += ("lm_head",)
+        targets += HEAD
     if not targets:
         raise HostError("lora_config trains nothing: set at least one of train_attn, train_mlp, train_unembed")
     # alpha = rank: the SDK sends no alpha; a scale of 1 keeps the adapter's step size independent of rank.
@@ -65,7 +68,8 @@ def lora_spec(cfg: dict | None):
 
 
 def shares_base(spec) -> bool:
-    """Whether a LoRA of this shape runs on the shared base (else on a private peft copy)."""
+    """Whether a LoRA of this shape runs on the shared base (else on a private peft copy: none of the
+    shapes lora_spec makes, since lm_head became a shared target; kept for any target added later)."""
     return spec is not None and set(spec.target_modules) <= set(SHAREABLE)
 
 

@@ -5,7 +5,7 @@
          model cache until the batch is done: readying a later member never evicts an earlier one;
       2. forward / forward_backward: the members on LoRA clients of one shared base go through ONE
          packed_forward(_backward) call (engine/packed.py), one TrainGroup each; a member on a
-         private model (full fine-tuning, an lm_head LoRA's peft copy) runs alone;
+         private model (full fine-tuning) runs alone;
       3. sample: the members of shared, non-speculative sessions of one base go through ONE
          Sampler.sample call per size class (below), one SampleRequest each with its session's
          adapter snapshot; speculative sessions (each has its own drafter) and private ones alone;
