@@ -53,12 +53,13 @@ def test_fetch_cache_is_bounded_least_recently_used_first_and_never_evicts_what_
 
 
 def test_engine_host_holds_a_bounded_number_of_models_sessions_and_skeletons(tmp_path, builtin_dir):
-    """Each tenant's model may have its own LoRA seed: sampler skeletons are per LoRA shape, not
-    per seed (one per seed grew memory with every model), and every table is an LRU."""
+    """Each tenant's model may have its own LoRA seed: LoRA sessions of any seed sample on the
+    shared base (no skeleton), full fine-tunes' sessions share one skeleton per base model (one per
+    model grew memory with every model), and every table is an LRU."""
     from lockstep.service.host import EngineHost
 
     host = EngineHost(str(tmp_path / "storage"), str(tmp_path / "cache"), 1, max_models=2, max_sessions=2,
-                      max_skeletons=1)
+                      max_skeletons=2)  # room for two: one per model would show
     for seed in range(3):
         host.create_model(f"m{seed}", builtin_dir, {"rank": 4, "seed": seed})
         host.snapshot_session(f"m{seed}", f"s{seed}", f"snap/{seed}", builtin_dir, {"rank": 4, "seed": seed})
@@ -68,7 +69,12 @@ def test_engine_host_holds_a_bounded_number_of_models_sessions_and_skeletons(tmp
     host.sample("s2", prompt)
     host.sample("s1", prompt)
     assert list(host.sessions) == ["s2", "s1"]  # used: now the newest
-    assert len(host.skeletons) == 1  # two seeds, one shape
+    assert host.skeletons == {}  # LoRA snapshots are adapters on the shared base
+    for i in range(2):  # full fine-tunes have weights of their own, pinned over one skeleton
+        host.create_model(f"f{i}", builtin_dir, None)
+        host.snapshot_session(f"f{i}", f"t{i}", f"snap/f{i}", builtin_dir, None)
+        host.sample(f"t{i}", prompt)
+    assert list(host.sessions) == ["t0", "t1"] and len(host.skeletons) == 1  # two models, one skeleton
 
 
 def store(srv):
@@ -97,11 +103,12 @@ def tight(tmp_path_factory):
 
 
 @pytest.mark.parametrize("lora", [pytest.param({}, marks=pytest.mark.slow), {"train_unembed": False}],
-                         ids=["private-copy", "shared-base"])  # slow: time
+                         ids=["sdk-default-lm_head", "no-lm_head"])  # slow: time
 def test_models_evicted_from_memory_continue_bit_for_bit(tight, builtin_dir, lora):
     """Two models trained in turn on a host that holds one: each is spilled and rebuilt at every
-    switch, and ends exactly where an uninterrupted run on a peft Trainer does; a LoRA without
-    lm_head runs on the worker's shared base (an AdapterTrainer), the same bits end to end."""
+    switch, and ends exactly where an uninterrupted run on a peft Trainer does. Both specs (the
+    SDK's default with lm_head, and one without) run on the worker's shared base as AdapterTrainers:
+    the same bits end to end as the private peft reference."""
     sc = tinker.ServiceClient(base_url=tight.url, api_key=tight.keys["dana"])
     a = sc.create_lora_training_client(base_model="lockstep/tiny", rank=4, seed=5, **lora).result()
     b = sc.create_lora_training_client(base_model="lockstep/tiny", rank=4, seed=6, **lora).result()
