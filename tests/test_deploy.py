@@ -32,6 +32,7 @@ from packaging.requirements import Requirement
 from lockstep.cli import build_parser
 from lockstep.config import load
 from lockstep.raylocal import is_loopback
+from lockstep.service.launch import SLOT
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = sorted((ROOT / "deploy" / "kuberay").glob("*.yaml"))
@@ -157,10 +158,38 @@ def manifest_problems(docs: list[dict]) -> list[str]:
                 out += container_problems(f"{name} {where}/{c['name']}", c, volumes, configmaps)
                 if ray_params is not None and i > 0:  # KubeRay's Ray container is the first
                     out += sidecar_problems(f"{name} {where}/{c['name']}", pod, c)
+        if doc["kind"] == "RayCluster":
+            out += job_slot_problems(name, doc)
         if doc["kind"] == "RayJob":
             out += command_problems(f"{name} entrypoint", shlex.split(doc["spec"]["entrypoint"]), docs_mounts(doc), configmaps)
         if doc["kind"] == "Service":
             out += service_problems(name, doc, docs)
+    return out
+
+
+def ray_resources(ray_params: dict) -> dict:
+    """A node's custom resources from KubeRay's rayStartParams.resources (a quoted JSON object)."""
+    text = ray_params.get("resources")
+    if not text:
+        return {}
+    value = json.loads(text)
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def job_slot_problems(name: str, doc: dict) -> list[str]:
+    """A cluster that runs `lockstep worker` offers the job slots the scheduler counts: a worker
+    joining a cluster cannot add resources (its --job-slots only sizes a Ray it starts itself)."""
+    nodes = list(pods(doc))
+    workers = [c.get("args", []) for _, pod, _, _ in nodes for c in pod["containers"]
+               if c.get("command") == ["lockstep"] and c.get("args", [])[:1] == ["worker"]]
+    if not workers:
+        return []
+    offered = sum(ray_resources(params or {}).get(SLOT, 0) * replicas for _, _, params, replicas in nodes)
+    out = [] if offered else [f"{name}: no node offers {SLOT} (rayStartParams.resources): the worker would start no job"]
+    for argv in workers:
+        if "--job-slots" in argv and offered and int(argv[argv.index("--job-slots") + 1]) != offered:
+            out.append(f"{name}: the worker's --job-slots {argv[argv.index('--job-slots') + 1]} is not the {offered:g} "
+                       f"{SLOT} the nodes offer (the nodes' count is the one used)")
     return out
 
 
@@ -270,7 +299,7 @@ def config_problems(text: str) -> tuple[str, ...]:
 # -- storage: who writes where ---------------------------------------------------------------
 def image_user(dockerfile: str) -> tuple[int, int] | None:
     """The numeric uid:gid of the Dockerfile's last USER (None when it names no numbers)."""
-    users = re.findall(r"^USER\s+(\S+)", dockerfile, re.M)
+    users = re.findall(r"^USER\s+(\S+)", dockerfile, re.MULTILINE)
     m = re.fullmatch(r"(\d+):(\d+)", users[-1]) if users else None
     return (int(m[1]), int(m[2])) if m else None
 
@@ -348,7 +377,7 @@ def ray_version_problems(d: Deploy) -> list[str]:
     tested = importlib.metadata.version("ray")
     if tested != ray:
         out.append(f"deploy/constraints.txt pins ray {ray} but the tests run with {tested}: run scripts/setup.sh")
-    base = re.search(r"^FROM\s+rayproject/ray:(\S+)", d.dockerfile, re.M)
+    base = re.search(r"^FROM\s+rayproject/ray:(\S+)", d.dockerfile, re.MULTILINE)
     if not base or not base[1].startswith(f"{ray}-py311-"):
         out.append(f"deploy/Dockerfile: FROM rayproject/ray:{base[1] if base else '?'}, not the pinned {ray}-py311-*")
     if not re.search(r"pip install[^\n]*-c \S*deploy/constraints\.txt", d.dockerfile):
@@ -372,8 +401,8 @@ def driver_modules(d: Deploy) -> dict[str, str]:
         dialect = urlsplit(url).scheme
         if "+" in dialect:
             need[dialect.split("+", 1)[1]] = url
-    storage = [a for doc in d.docs for _, pod, _, _ in pods(doc) for c in pod["containers"]
-               for a in (lambda argv: [argv[i + 1] for i, x in enumerate(argv[:-1]) if x == "--storage"])(c.get("args", []))]
+    storage = [argv[i + 1] for doc in d.docs for _, pod, _, _ in pods(doc) for c in pod["containers"]
+               for argv in [c.get("args", [])] for i, x in enumerate(argv[:-1]) if x == "--storage"]
     for url in storage + ["s3://bucket/prefix"]:  # s3: the scheme the guide offers as the alternative to the volume
         scheme = urlsplit(url).scheme
         if scheme:
@@ -429,7 +458,7 @@ def context_problems(dockerignore: str, readme: str) -> tuple[str, ...]:
 def guide_commands(guide: str) -> list[str]:
     """The shell commands of docs/deploy.md's bash blocks, continuation lines joined."""
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", guide, re.S):
+    for block in re.findall(r"```bash\n(.*?)```", guide, re.DOTALL):
         out += [ln.strip() for ln in block.replace("\\\n", " ").splitlines() if ln.strip() and not ln.strip().startswith("#")]
     return out
 
@@ -470,7 +499,7 @@ def guide_problems(d: Deploy) -> list[str]:
                 out.append(f"docs/deploy.md: `{cmd}`: {', '.join(expanded_here(remote))} would expand on the laptop; "
                            "quote what runs in the pod: -- sh -c '...'")
                 continue
-            argv = shlex.split(remote)
+            argv = shlex.split(remote, comments=True)
             script = shlex.split(argv[2]) if argv[:2] == ["sh", "-c"] else argv
             name = re.search(r"-c (\S+)", local)
             env = {e["name"] for e in containers.get(name[1] if name else "", {}).get("env", [])}
@@ -595,6 +624,15 @@ def test_the_check_finds_a_worker_that_cannot_reach_ray():
     def own_pid_namespace(d):
         del serve_head(d)["shareProcessNamespace"]
     assert any("shareProcessNamespace" in p for p in edited(own_pid_namespace))
+
+    def no_job_slots(d):  # as it was: --job-slots alone, which a worker joining a cluster cannot add
+        del find(d, "RayCluster", "lockstep-service")["spec"]["headGroupSpec"]["rayStartParams"]["resources"]
+    assert any("no node offers lockstep_job_slots" in p for p in edited(no_job_slots))
+
+    def two_counts(d):
+        args = container(serve_head(d), "lockstep-worker")["args"]
+        args[args.index("--job-slots") + 1] = "8"
+    assert any("--job-slots 8 is not the 4 lockstep_job_slots" in p for p in edited(two_counts))
 
     def loopback(d):  # the address the manifest had: lockstep makes it a single-machine Ray
         args = container(serve_head(d), "lockstep-worker")["args"]
