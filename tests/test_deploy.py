@@ -18,7 +18,11 @@ import importlib.metadata
 import json
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 import tomllib
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -752,3 +756,29 @@ def test_the_check_finds_guide_commands_that_do_not_run_as_written():
     def missing_file(d):
         d.files.discard("deploy/kuberay/postgres.yaml")
     assert any("applies deploy/kuberay/postgres.yaml, which does not exist" in p for p in edited(missing_file))
+
+
+@pytest.mark.slow  # two Ray imports in subprocesses: seconds, many under load
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux's unshare (a new PID namespace)")
+def test_the_pinned_ray_finds_its_raylet_only_among_the_processes_it_sees():
+    """Why a sidecar driver needs shareProcessNamespace: the installed Ray's node discovery (what
+    ray.init uses to pick the raylet to join) sees a raylet in its own PID namespace and none from
+    a new one, as a container of a pod sees by default. If a Ray release stops needing it, this
+    fails, and sidecar_problems can drop that requirement."""
+    node_id = uuid.uuid4().hex
+    check = "from ray._private.services import find_node_ids; print(' '.join(sorted(find_node_ids())))"
+    fake = subprocess.Popen(["/opt/raylet", "-c", "import sys; print('up', flush=True); sys.stdin.read()", f"--node_id={node_id}"],
+                            executable=sys.executable, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert fake.stdout.readline() == "up\n"  # running, under the raylet's name and flag
+        seen = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True).stdout.split()
+        isolated = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", check],
+                                  capture_output=True, text=True, check=False)
+    finally:
+        fake.stdin.close()
+        fake.wait()
+    assert node_id in seen
+    if isolated.returncode != 0 and "Operation not permitted" in isolated.stderr:
+        pytest.skip(f"no new PID namespace here: {isolated.stderr.strip()}")
+    assert isolated.returncode == 0, isolated.stderr
+    assert node_id not in isolated.stdout.split()
