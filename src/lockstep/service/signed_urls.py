@@ -38,6 +38,8 @@ STORAGE, TRACE = "storage", "trace"
 """What an object names: a storage key (a file of a checkpoint) or a session whose trace is rendered."""
 
 router = APIRouter()
+clock = time.time
+"""Unix seconds now (a test moves it past an expiry rather than wait for one)."""
 
 
 class Forbidden(ServiceError):
@@ -75,7 +77,7 @@ def _unb64(text: str) -> str:
 
 
 def expiry(ttl_s: int = URL_TTL_S) -> int:
-    return int(time.time()) + ttl_s
+    return int(clock()) + ttl_s
 
 
 def sign(request: Request, kind: str, name: str, expires: int) -> str:
@@ -89,18 +91,18 @@ def storage_url(request: Request, key: str, expires: int) -> str:
     """A URL for one storage object: the backend's own presigned URL where it has one (S3)."""
     storage = request.app.state.storage
     if not storage.local:
-        url = storage.presign(key, expires - int(time.time()))
+        url = storage.presign(key, expires - int(clock()))
         if url is not None:
             return url
     return sign(request, STORAGE, key, expires)
 
 
-def verify(sessions, o: str, e: int, s: str, *, at: float | None = None) -> tuple[str, str]:
+def verify(sessions, o: str, e: int, s: str) -> tuple[str, str]:
     """(kind, name) of a signed URL's object; Forbidden if it was altered or has expired."""
     obj = _unb64(o)
     if not hmac.compare_digest(_mac(secret(sessions), obj, e), s):
         raise Forbidden("invalid signed URL: the signature does not match (ask for a new URL)")
-    if (time.time() if at is None else at) >= e:
+    if clock() >= e:
         raise Forbidden("this signed URL has expired; ask for a new one")
     kind, _, name = obj.partition(":")
     if kind not in (STORAGE, TRACE) or not name:
