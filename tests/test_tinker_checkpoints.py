@@ -291,3 +291,60 @@ def test_trace_export_is_the_owners_and_its_url_renders_the_session(two):
     trace = _get(c, r["url"]).json()
     names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert "queued create_model" in names  # new_model's request, still queued (no worker here)
+
+
+# -- the SDK and the cookbook, end to end ----------------------------------------------------------
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning", "ignore::UserWarning")
+def test_the_sdk_and_the_cookbook_drive_the_new_routes(tmp_path, builtin_dir, monkeypatch):
+    """save_weights_external -> the cookbook's weights.download through the signed URLs; publish,
+    a second tenant sampling from the published path; TTL, copy, project, search, trace, usage, all
+    through the SDK's own calls (so its parsing of each answer is checked too)."""
+    import urllib.request
+
+    import tinker
+    from safetensors.numpy import load_file
+    from tinker import types
+    from tinker_cookbook import weights
+
+    from lockstep.service.tenants import create_tenant
+    from service_fuzzing import in_process_service
+
+    with in_process_service(tmp_path, {"lockstep/tiny": builtin_dir}) as (url, sessions):
+        with sessions() as s:
+            alice, bob = create_tenant(s, "alice")[1], create_tenant(s, "bob")[1]
+        sc = tinker.ServiceClient(base_url=url, api_key=alice)
+        tc = sc.create_lora_training_client(base_model="lockstep/tiny", rank=4, seed=0).result(timeout=300)
+        state = tc.save_state("s1").result(timeout=300).path
+        ex = tc.save_weights_external("ex").result(timeout=300).path
+        assert ex.split("/")[-2:] == ["external_weights", "ex"]
+        monkeypatch.setenv("TINKER_API_KEY", alice)
+        out = weights.download(tinker_path=ex, output_dir=str(tmp_path / "dl"), base_url=url)
+        tensors = [t for f in (tmp_path / "dl").glob("*.safetensors") for t in load_file(f).values()]
+        assert tensors and all(t.size for t in tensors), list((tmp_path / "dl").iterdir())
+        assert out == str(tmp_path / "dl")
+
+        rc = sc.create_rest_client()
+        rc.publish_checkpoint_from_tinker_path(state).result()
+        bob_sampler = tinker.ServiceClient(base_url=url, api_key=bob).create_sampling_client(model_path=state)
+        got = bob_sampler.sample(types.ModelInput.from_ints([5, 6]), 1,
+                                 types.SamplingParams(max_tokens=2, temperature=0.0)).result(timeout=300)
+        assert len(got.sequences[0].tokens) == 2
+        rc.unpublish_checkpoint_from_tinker_path(state).result()
+        rc.set_checkpoint_ttl_from_tinker_path(state, 7200).result()
+        copy = rc.copy_weights(state, "archive").result()
+        assert rc.get_weights_info_by_tinker_path(copy).result().lora_rank == 4
+        [sid] = [x for x in rc.list_sessions().result().sessions
+                 if x != copy.split("/")[2].split(":")[0]]
+        rc.assign_session_project(sid, "lab").result()
+        found = rc.search_sessions(types.SessionSearchRequest(project_ids=["lab"])).result()
+        assert [x.session_id for x in found.sessions] == [sid] and found.sessions[0].checkpoints_count == 2
+        trace = json_of(urllib.request.urlopen(rc.export_session_trace(sid).result()).read())
+        assert {"save_weights", "save_weights_external"} <= {e["name"] for e in trace["traceEvents"]}
+        usage = tinker.AdminClient(base_url=url, api_key=alice).get_current_checkpoint_storage_usage().result()
+        assert sum(x.checkpoint_count for x in usage.data) == 3  # state, its copy, the export
+
+
+def json_of(raw: bytes):
+    import json
+
+    return json.loads(raw)
