@@ -9,6 +9,7 @@ config route named there switches each off for the SDK.
 
 import ast
 import datetime as dt
+import json
 import re
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 import tinker
 from sqlalchemy import select
 
+from lockstep.cli import build_parser
 from lockstep.service.db import Checkpoint
 from lockstep.service.tinker_api import GATED_ROUTES
 from test_service_api import new_model, post, serving
@@ -152,3 +154,16 @@ def test_admin_routes_answer_for_the_callers_own_tenant(world):
     assert bad.status_code == 400 and "14 days" in bad.json()["error"]
     assert client.delete("/api/v1/auth/apikey/me", headers=h).status_code == 200
     assert client.get("/api/v1/auth/apikey/me", headers=h).status_code == 401  # revoked, at once here
+
+
+def test_the_operator_rotates_a_revoked_key(world, capsys):
+    client, sessions, key, _ = world
+    assert client.delete("/api/v1/auth/apikey/me", headers={"X-API-Key": key}).status_code == 200
+    db_url = str(sessions.kw["bind"].url)
+    args = build_parser().parse_args(["tenants", "rotate-key", "alice", "--db", db_url, "--json"])
+    assert args.func(args) == 0
+    new = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["api_key"]
+    assert client.get("/api/v1/auth/apikey/me", headers={"X-API-Key": new}).json()["name"] == "alice"
+    assert client.get("/api/v1/auth/apikey/me", headers={"X-API-Key": key}).status_code == 401
+    args = build_parser().parse_args(["tenants", "rotate-key", "nobody", "--db", db_url])
+    assert args.func(args) == 2 and "no tenant 'nobody'" in capsys.readouterr().err
