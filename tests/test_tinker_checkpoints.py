@@ -16,6 +16,7 @@ from lockstep.service import janitor, signed_urls
 from lockstep.service.db import Checkpoint, Session
 from lockstep.service.tenants import authenticate
 from test_service_api import new_model, post, serving
+from test_service_backends import s3  # noqa: F401 - a fixture
 
 
 def add_checkpoint(client, sessions, key, model_id, kind="weights", name="ck", files=None, tmp=None) -> str:
@@ -348,3 +349,35 @@ def json_of(raw: bytes):
     import json
 
     return json.loads(raw)
+
+
+def test_on_s3_each_url_is_the_buckets_presigned_get(tmp_path, builtin_dir, s3, monkeypatch):
+    import requests
+    from fastapi.testclient import TestClient
+
+    from lockstep.service.app import ServiceConfig, create_app
+    from lockstep.service.db import connect
+    from lockstep.service.tenants import create_tenant
+    from lockstep.service.worker import register_base_models
+
+    env, _ = s3
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cfg = ServiceConfig(db_url=f"sqlite:///{tmp_path / 'db.sqlite'}", storage_url="s3://lockstep-test/urls")
+    _, sessions = connect(cfg.db_url)
+    with sessions() as s:
+        register_base_models(s, {"lockstep/tiny": builtin_dir})
+        alice, bob = create_tenant(s, "alice")[1], create_tenant(s, "bob")[1]
+    with TestClient(create_app(cfg)) as c:
+        _, mid = new_model(c, alice)
+        add_checkpoint(c, sessions, alice, mid, "external_weights", "ex", {"a.safetensors": b"S3" * 50}, tmp=tmp_path)
+        cid = "/api/v1/training_runs/{}/checkpoints/external_weights/ex/external_weights_urls".format(mid)
+        assert c.get(cid, headers=h(bob)).status_code == 404
+        answer = c.get(cid, headers=h(alice)).json()
+    url = answer["urls"]["a.safetensors"]
+    query = parse_qs(urlsplit(url).query)
+    assert url.startswith(env["AWS_ENDPOINT_URL"]) and "Signature" in query  # s3fs signs query-string (SigV2) URLs
+    expires = int(query["Expires"][0])
+    assert expires == int(dt.datetime.fromisoformat(answer["expires"]).timestamp())
+    assert requests.get(url, timeout=30).content == b"S3" * 50
+    # S3 itself refuses an altered or expired presigned URL; moto checks neither, so that is not tested here.
