@@ -18,7 +18,7 @@ import tinker
 from sqlalchemy import select
 
 from lockstep.cli import build_parser
-from lockstep.service.db import Checkpoint
+from lockstep.service.db import Checkpoint, Tenant, Usage
 from lockstep.service.tinker_api import GATED_ROUTES
 from test_service_api import new_model, post, serving
 
@@ -154,6 +154,31 @@ def test_admin_routes_answer_for_the_callers_own_tenant(world):
     assert bad.status_code == 400 and "14 days" in bad.json()["error"]
     assert client.delete("/api/v1/auth/apikey/me", headers=h).status_code == 200
     assert client.get("/api/v1/auth/apikey/me", headers=h).status_code == 401  # revoked, at once here
+
+
+def test_billing_events_are_the_tenants_own_metered_tokens_by_hour(world):
+    client, sessions, key, _ = world
+    hour = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=3)).replace(minute=0, second=0, microsecond=0,
+                                                                              tzinfo=None)
+    with sessions() as s:
+        alice = _tenant_id(sessions, key)
+        bob = s.scalar(select(Tenant.id).where(Tenant.name == "bob"))
+        at = lambda minutes: hour + dt.timedelta(minutes=minutes)  # noqa: E731
+        s.add_all([Usage(tenant_id=alice, kind="tokens_trained", amount=10, created_at=at(5)),
+                   Usage(tenant_id=alice, kind="tokens_trained", amount=5, created_at=at(55)),
+                   Usage(tenant_id=alice, kind="tokens_sampled", amount=7, created_at=at(61)),
+                   Usage(tenant_id=alice, kind="compute_seconds", amount=3.5, created_at=at(5)),
+                   Usage(tenant_id=bob, kind="tokens_trained", amount=1000, created_at=at(5)),
+                   Usage(tenant_id=alice, kind="tokens_trained", amount=99, created_at=at(180))])  # after the window
+        s.commit()
+    window = {"starting_on": hour.isoformat() + "Z", "ending_before": (hour + dt.timedelta(hours=3)).isoformat() + "Z"}
+    data = client.get("/api/v1/billing/usage/events", headers={"X-API-Key": key}, params=window).json()["data"]
+    got = [(x["bucket_start"][11:16], x["event_info"]["type"], x["event_info"]["token_count"]) for x in data]
+    h0, h1 = hour.strftime("%H:00"), (hour + dt.timedelta(hours=1)).strftime("%H:00")
+    assert got == [(h0, "training", 15), (h1, "sampling_sample", 7)]
+    r = client.get("/api/v1/billing/usage/events", headers={"X-API-Key": key},
+                   params={**window, "starting_on": (hour + dt.timedelta(minutes=30)).isoformat()})
+    assert r.status_code == 400 and "starting_on must be on a UTC hour boundary" in r.json()["error"]
 
 
 def test_the_operator_rotates_a_revoked_key(world, capsys):

@@ -4,8 +4,10 @@ external-weights export through expiring signed URLs.
 - **Published** (POST/DELETE .../{cid}/publish, the owner only): any tenant may then *read* it by its
   tinker:// path: sample from it (create_sampling_session), load it into a training run of its
   own (load_weights, create_training_client_from_state), read its weights_info and copy_weights
-  it. Nothing else: listing, deleting, re-publishing, its TTL and its download URLs stay the
-  owner's, and another tenant never learns it exists except by being told its path. Unpublishing
+  it. Nothing else: listing, deleting, re-publishing and its TTL stay the owner's, and another
+  tenant never learns it exists except by being told its path. Reading includes downloading (load
+  it into a run of one's own and export it, or copy an export and sign URLs for the copy), as on
+  Tinker: publish only what may be handed out. Unpublishing
   stops new reads; a sampler or a copy made while it was public keeps its weights (they are
   pinned by storage key, and storage is deleted only when nothing points at it).
 - **Copies** share the source's storage (no bytes are duplicated) and belong to a new training
