@@ -219,7 +219,7 @@ def test_a_tampered_url_is_refused_and_one_objects_url_fetches_no_other(export):
     for changed in ({"s": flipped}, {"e": str(int(q["e"]) + 3600)},
                     {"o": base64.urlsafe_b64encode(other.encode()).decode()},
                     {"o": base64.urlsafe_b64encode(alices_weights.encode()).decode()},
-                    {"o": "%%%"}, {"s": ""}):
+                    {"o": "%%%"}, {"s": ""}, {"s": "\x80"}, {"s": "é" * 64}):
         r = c.get(_with(url, **changed))
         assert r.status_code == 403, (changed, r.text)
 

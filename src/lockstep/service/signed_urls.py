@@ -100,7 +100,8 @@ def storage_url(request: Request, key: str, expires: int) -> str:
 def verify(sessions, o: str, e: int, s: str) -> tuple[str, str]:
     """(kind, name) of a signed URL's object; Forbidden if it was altered or has expired."""
     obj = _unb64(o)
-    if not hmac.compare_digest(_mac(secret(sessions), obj, e), s):
+    # compare_digest refuses str with non-ASCII characters (a TypeError): compare bytes.
+    if not hmac.compare_digest(_mac(secret(sessions), obj, e).encode(), s.encode("utf-8", "surrogatepass")):
         raise Forbidden("invalid signed URL: the signature does not match (ask for a new URL)")
     if clock() >= e:
         raise Forbidden("this signed URL has expired; ask for a new one")
