@@ -60,7 +60,8 @@ def reads(w, key, path, seq=0) -> dict:
     return {"sample": post(c, "create_sampling_session", key, {"session_id": sid, "sampling_session_seq_id": seq,
                                                                "model_path": path}).status_code,
             "weights_info": post(c, "weights_info", key, {"tinker_path": path}).status_code,
-            "load": post(c, "load_weights", key, {"path": path, "session_id": sid, "model_seq_id": 100 + seq}).status_code,
+            "load": post(c, "load_weights", key, {"path": path, "session_id": sid,
+                                                  "model_seq_id": 100 + seq}).status_code,
             "copy": post(c, "copy_weights", key, {"source_path": path, "session_id": sid,
                                                   "model_seq_id": 200 + seq}).status_code}
 
@@ -156,7 +157,8 @@ def test_a_copy_into_a_project_and_the_copy_refusals(two):
         r = post(c, "copy_weights", w["alice"], body)
         assert r.status_code == 400 and match in r.json()["error"], (body, r.text)
     # bob's copy of alice's unpublished checkpoint, into bob's session or alice's: 404 either way
-    assert post(c, "copy_weights", w["bob"], {"source_path": w["path"], "destination_project_id": "p"}).status_code == 404
+    to_project = {"source_path": w["path"], "destination_project_id": "p"}
+    assert post(c, "copy_weights", w["bob"], to_project).status_code == 404
     assert post(c, "copy_weights", w["bob"], {"source_path": w["path"], "session_id": w["sid"],
                                               "model_seq_id": 9}).status_code == 404
 
@@ -167,7 +169,8 @@ def export(two):
     """alice's external_weights/ex (two files) and its URLs."""
     w = two
     w["ex"] = add_checkpoint(w["client"], w["sessions"], w["alice"], w["mid"], "external_weights", "ex",
-                             {"adapter_model.safetensors": b"A" * 100, "adapter_config.json": b'{"r": 4}'}, tmp=w["tmp"])
+                             {"adapter_model.safetensors": b"A" * 100, "adapter_config.json": b'{"r": 4}'},
+                             tmp=w["tmp"])
     r = w["client"].get(ck_url(w, "/external_weights_urls", cid="external_weights/ex"), headers=h(w["alice"]))
     assert r.status_code == 200, r.text
     w["urls"] = r.json()
@@ -273,10 +276,11 @@ def test_session_search_pages_newest_first_over_the_callers_own_sessions(two):
 
 def test_project_is_set_by_the_owner_and_searchable(two):
     w, c = two, two["client"]
-    assert c.put(f"/api/v1/sessions/{w['sid']}/project", headers=h(w["bob"]), json={"project_id": "p"}).status_code == 404
-    r = c.put(f"/api/v1/sessions/{w['sid']}/project", headers=h(w["alice"]), json={"project_id": "x" * 129})
+    project = f"/api/v1/sessions/{w['sid']}/project"
+    assert c.put(project, headers=h(w["bob"]), json={"project_id": "p"}).status_code == 404
+    r = c.put(project, headers=h(w["alice"]), json={"project_id": "x" * 129})
     assert r.status_code == 400 and "project_id" in r.json()["error"]
-    assert c.put(f"/api/v1/sessions/{w['sid']}/project", headers=h(w["alice"]), json={"project_id": "p"}).status_code == 200
+    assert c.put(project, headers=h(w["alice"]), json={"project_id": "p"}).status_code == 200
     found = post(c, "sessions/search", w["alice"], {"project_ids": ["p"]}).json()["sessions"]
     assert [(x["session_id"], x["project_id"], x["checkpoints_count"]) for x in found] == [(w["sid"], "p", 1)]
     usage = c.get("/api/v1/billing/usage/checkpoints/current", headers=h(w["alice"]), params={"project_id": "p"})

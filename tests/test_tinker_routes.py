@@ -75,8 +75,9 @@ def world(tmp_path, builtin_dir):
     committed in storage; (client, sessions, key, ids by path-parameter name)."""
     with serving(tmp_path, builtin_dir) as (client, sessions, key, _other):
         sid, mid = new_model(client, key)
-        ssid = post(client, "create_sampling_session", key, {"session_id": sid, "sampling_session_seq_id": 0,
-                                                              "base_model": "lockstep/tiny"}).json()["sampling_session_id"]
+        ssid = post(client, "create_sampling_session", key,
+                    {"session_id": sid, "sampling_session_seq_id": 0, "base_model": "lockstep/tiny"}
+                    ).json()["sampling_session_id"]
         storage = client.app.state.storage
         with sessions() as s:
             tid = _tenant_id(sessions, key)
@@ -112,7 +113,8 @@ def _order(route):
     """Deleting the checkpoint goes after the routes that read it; revoking the key goes last."""
     method, path = route
     deleting = method == "DELETE"
-    return (deleting and path == "/api/v1/auth/apikey/me", deleting and path.endswith("{checkpoint_id}"), deleting, path)
+    revoking = deleting and path == "/api/v1/auth/apikey/me"
+    return (revoking, deleting and path.endswith("{checkpoint_id}"), deleting, path)
 
 
 def test_every_sdk_route_is_answered(world):

@@ -59,7 +59,8 @@ def _query(t: Tenant, body: SessionSearch):
         q = q.where(Session.project_id.in_(body.project_ids))
     if body.cursor is not None:
         at = _cursor_time(body.cursor.last_created_at)
-        q = q.where(or_(Session.created_at < at, and_(Session.created_at == at, Session.id < body.cursor.last_session_id)))
+        after = and_(Session.created_at == at, Session.id < body.cursor.last_session_id)
+        q = q.where(or_(Session.created_at < at, after))
     return q.order_by(Session.created_at.desc(), Session.id.desc())
 
 

@@ -15,7 +15,7 @@ from lockstep.monitor.trace import chrome_trace
 from lockstep.service.db import Model, SamplingSession, Session, now
 from lockstep.service.db import Request as RequestRow
 
-MAX_SPANS_REQUESTS = 10_000
+MAX_REQUESTS = 10_000
 """The newest requests a trace holds (a long session has more than a viewer wants)."""
 
 
@@ -36,7 +36,7 @@ def render(sessions, session_id: str) -> dict:
                                 RequestRow.sampling_session_id)
                          .where(RequestRow.tenant_id == row.tenant_id,
                                 or_(RequestRow.model_id.in_(models), RequestRow.sampling_session_id.in_(samplers)))
-                         .order_by(RequestRow.order.desc()).limit(MAX_SPANS_REQUESTS)).all()
+                         .order_by(RequestRow.order.desc()).limit(MAX_REQUESTS)).all()
         at = _unix(now())
     spans = []
     for rid, kind, state, created, claimed, finished, model_id, sampler_id in reversed(rows):

@@ -12,7 +12,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Query, Request
 from sqlalchemy import func, select
 
-from lockstep.service import signed_urls, wire
+from lockstep.service import signed_urls
 from lockstep.service.bodies import MAX_OFFSET, PRINTABLE, SessionSearch, SetProject, WeightsInfo
 from lockstep.service.db import Checkpoint, Model, SamplingSession, Session, Tenant, unexpired
 from lockstep.service.deps import db, tenant_of
