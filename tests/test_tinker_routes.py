@@ -9,6 +9,7 @@ config route named there switches each off for the SDK.
 
 import ast
 import datetime as dt
+import functools
 import json
 import re
 from pathlib import Path
@@ -37,7 +38,8 @@ def _template(node) -> str | None:
     return text if text.startswith("/api/v1/") else None
 
 
-def sdk_routes() -> set[tuple[str, str]]:
+@functools.cache
+def sdk_routes() -> frozenset[tuple[str, str]]:
     """(METHOD, path template) of every HTTP call in the tinker package (its own tests excluded)."""
     found = set()
     for file in Path(tinker.__file__).parent.rglob("*.py"):
@@ -53,7 +55,7 @@ def sdk_routes() -> set[tuple[str, str]]:
                 method = node.args[0]
                 assert isinstance(method, ast.Constant), f"{file}: a request() whose method is not a literal"
                 found.add((method.value.upper(), path))
-    return found
+    return frozenset(found)
 
 
 def test_the_parser_reads_the_sdk_routes():
