@@ -97,6 +97,17 @@ def attempts(a, b_session, b_model):
         ("ephemeral sampler of A's model", "POST", "/api/v1/save_weights_for_sampler",
          {"model_id": m, "seq_id": 5, "sampling_session_seq_id": 1}),
         ("load_weights into A's model", "POST", "/api/v1/load_weights", {"path": w, "model_id": m, "seq_id": 5}),
+        ("publish", "POST", f"/api/v1/training_runs/{quote(m)}/checkpoints/weights/ck/publish", None),
+        ("unpublish", "DELETE", f"/api/v1/training_runs/{quote(m)}/checkpoints/weights/ck/publish", None),
+        ("ttl", "PUT", f"/api/v1/training_runs/{quote(m)}/checkpoints/weights/ck/ttl", {"ttl_seconds": 3600}),
+        ("external_weights_urls", "GET",
+         f"/api/v1/training_runs/{quote(m)}/checkpoints/weights/ck/external_weights_urls", None),
+        ("copy_weights", "POST", "/api/v1/copy_weights", {"source_path": w, "destination_project_id": "p"}),
+        ("copy_weights into A's session", "POST", "/api/v1/copy_weights",
+         {"source_path": w, "session_id": s, "model_seq_id": 11}),
+        ("save_weights_external", "POST", "/api/v1/save_weights_external", {"model_id": m, "seq_id": 5, "path": "x"}),
+        ("session project", "PUT", f"/api/v1/sessions/{s}/project", {"project_id": "p"}),
+        ("trace_export", "GET", f"/api/v1/sessions/{s}/trace_export", None),
     ]
     for p in (f"tinker://{m}/weights/../../x", f"tinker://{m}/weights/%2e%2e", "tinker://../weights/ck",
               f"tinker://{m}/../{m}/weights/ck", "tinker:///etc/passwd", "/etc/passwd", "file:///etc/passwd",
@@ -126,10 +137,11 @@ def snapshot(sessions, a) -> dict:
     with sessions() as s:
         model = s.get(Model, a.model_id)
         session = s.get(Session, a.session_id)
-        return {"checkpoints": sorted((c.kind, c.name, c.storage_path) for c in s.scalars(
+        return {"checkpoints": sorted((c.kind, c.name, c.storage_path, c.public, c.expires_at) for c in s.scalars(
                     select(Checkpoint).where(Checkpoint.model_id == a.model_id))),
                 "requests": s.scalar(select(func.count()).select_from(Request).where(Request.model_id == a.model_id)),
                 "done_seq": model.done_seq, "finished": session.finished_at, "heartbeat": session.last_heartbeat,
+                "project": session.project_id,
                 "samplers": s.scalar(select(func.count()).select_from(SamplingSession)
                                      .where(SamplingSession.session_id == a.session_id))}
 
@@ -146,7 +158,9 @@ def test_tenant_b_cannot_reach_tenant_a(world):
                  "retrieve_future", "session_info", "heartbeat", "finish", "get_info", "forward_backward",
                  "optim_step", "save_weights",
                  "ephemeral sampler of A's model", "load_weights into A's model", "load_weights into B's model",
-                 "sampling session from A's sampler path", "create_model in A's session"):
+                 "sampling session from A's sampler path", "create_model in A's session", "publish", "unpublish",
+                 "ttl", "external_weights_urls", "copy_weights", "copy_weights into A's session",
+                 "save_weights_external", "session project", "trace_export"):
         assert answers[what][0] == 404, (what, answers[what])
     assert snapshot(sessions, a) == before  # nothing of A's moved
     storage = a.weights_path  # and A still trains, saves and samples

@@ -393,6 +393,24 @@ def _cmd_tenants_create(args) -> int:
     return 0
 
 
+def _cmd_tenants_rotate(args) -> int:
+    from lockstep.service.db import connect
+    from lockstep.service.serve import default_db
+    from lockstep.service.tenants import rotate_key
+    from lockstep.service.types import ServiceError
+
+    _, sessions = connect(args.db or default_db())
+    with sessions() as s:
+        try:
+            key = rotate_key(s, args.name)
+        except ServiceError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    print(json.dumps({"tenant": args.name, "api_key": key}) if args.json else
+          f"tenant {args.name}'s new API key (shown only now; the old one no longer works):\n{key}")
+    return 0
+
+
 def _server(args):
     """(base URL, headers) of the job service a client command talks to."""
     import os
@@ -682,6 +700,11 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--max-jobs", type=int, default=2, help="concurrent jobs quota")
     create.add_argument("--max-models", type=int, default=16, help="models quota")
     create.set_defaults(func=_cmd_tenants_create)
+    rotate = tenants_sub.add_parser("rotate-key", help="issue a tenant a new API key (the old one stops working)")
+    rotate.add_argument("name")
+    _service_args(rotate, client=True)
+    rotate.add_argument("--json", action="store_true", help='last line: {"tenant": ..., "api_key": ...}')
+    rotate.set_defaults(func=_cmd_tenants_rotate)
     submit = sub.add_parser("submit", help="submit a run config as a job to the job service")
     submit.add_argument("config", nargs="?", help="TOML run config (default: the embedded default)")
     submit.add_argument("overrides", nargs="*", help="dotted overrides, as for `lockstep run`")

@@ -30,7 +30,8 @@ from lockstep.service.prometheus import HttpMetrics, Metrics
 from lockstep.service.storage import Storage
 from lockstep.service.types import NotFound, ServiceError, Unauthorized
 
-from lockstep.service import datasets, jobs_api, operator_api, tinker_api, tinker_rest, trace_api, ui
+from lockstep.service import (datasets, jobs_api, operator_api, signed_urls, tinker_admin, tinker_api,
+                              tinker_checkpoints, tinker_rest, trace_api, ui)
 
 __all__ = ["ServiceConfig", "create_app"]
 log = logging.getLogger("lockstep.service")
@@ -192,11 +193,14 @@ def create_app(config: ServiceConfig) -> FastAPI:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    for router, prefix in ((tinker_api.router, "/api/v1"), (tinker_rest.router, "/api/v1"), (jobs_api.router, "/v1"),
+    # tinker_checkpoints before tinker_rest: its .../{cid}/publish must match before DELETE .../{cid:path}
+    rest = ((tinker_checkpoints.router, "/api/v1"), (tinker_rest.router, "/api/v1"), (tinker_admin.router, "/api/v1"),
+            (signed_urls.router, "/api/v1"))
+    for router, prefix in ((tinker_api.router, "/api/v1"), *rest, (jobs_api.router, "/v1"),
                            (trace_api.router, "/v1"), (operator_api.router, "/v1"), (ui.router, "")):
         app.include_router(router, prefix=prefix)
     for router, prefix in ((tinker_api.router, "/api/v1"), (tinker_api.training, "/api/v1"),  # (and the included ones)
-                           (tinker_rest.router, "/api/v1"), (jobs_api.router, "/v1"), (datasets.router, "/v1"),
+                           *rest, (jobs_api.router, "/v1"), (datasets.router, "/v1"),
                            (trace_api.router, "/v1"), (operator_api.router, "/v1"), (ui.router, "")):
         app.state.metrics.name_routes(router, prefix)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)

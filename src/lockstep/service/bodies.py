@@ -246,3 +246,70 @@ class Retrieve(Body):
 
 class WeightsInfo(Body):
     tinker_path: TinkerPath
+
+
+# -- checkpoint and session management (tinker_checkpoints.py, tinker_rest.py) -----------------
+MIN_REST_TTL_S = 3600
+RestTtl = Annotated[int, Field(ge=MIN_REST_TTL_S, le=MAX_TTL_S,
+                               description="seconds from now: 1 hour to 10 years, as the SDK documents")]
+ProjectId = Text(128, 1)
+
+
+class SetTtl(Body):
+    ttl_seconds: RestTtl | None
+    """None removes the expiry."""
+
+
+class SetProject(Body):
+    project_id: ProjectId
+
+
+class CopyWeights(Body):
+    source_path: TinkerPath
+    session_id: SessionId | None = None
+    model_seq_id: SeqFrom0 | None = None
+    destination_project_id: ProjectId | None = None
+    ttl_seconds: RestTtl | None = None
+    weights_access_token: Text(512) | None = None
+
+    @model_validator(mode="after")
+    def _destination(self):
+        if (self.session_id is None) != (self.model_seq_id is None):
+            raise ValueError("session_id and model_seq_id go together (the training run slot the copy takes)")
+        if self.session_id is None and self.destination_project_id is None:
+            raise ValueError("copy_weights needs destination_project_id, or session_id with model_seq_id")
+        return self
+
+
+class SaveWeightsExternal(Training):
+    path: Name
+    ttl_seconds: Ttl | None = None
+    age_encryption_recipients: list[Text(1024, 1)] | None = Field(default=None, max_length=16)
+
+
+class StatusQuery(Body):
+    type: Literal["active", "cancelled", "failed", "client_finished"]
+    reasons: list[Literal["success", "errored", "interrupted"]] | None = Field(default=None, min_length=1, max_length=3)
+
+
+class SearchOwner(Body):
+    type: Literal["own", "accessible", "user"] = "own"
+    owner_urns: list[Text(128, 1)] | None = Field(default=None, min_length=1, max_length=10)
+
+
+class SearchCursor(Body):
+    last_created_at: str = Field(max_length=64)
+    last_session_id: SessionId
+
+
+class SessionSearch(Body):
+    """The SDK's SessionSearchRequest (sent with exclude_none)."""
+
+    session_id: SessionId | None = None
+    project_ids: list[ProjectId] | None = Field(default=None, max_length=100)
+    user_metadata: dict[Text(128, 1), Text(1024)] = Field(default={}, max_length=32)
+    display_name: Text(256, 1) | None = None
+    owner: SearchOwner = SearchOwner()
+    statuses: list[StatusQuery] | None = Field(default=None, min_length=1, max_length=8)
+    limit: int = Field(default=50, ge=1, le=200)
+    cursor: SearchCursor | None = None

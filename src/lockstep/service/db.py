@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import (JSON, BigInteger, Float, ForeignKey, Index, Integer, LargeBinary, String, Text,
+from sqlalchemy import (JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, LargeBinary, String, Text,
                         UniqueConstraint, create_engine, event, inspect, or_, text)
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
@@ -62,6 +62,8 @@ class Session(Base):
     last_heartbeat: Mapped[dt.datetime] = mapped_column(default=now)
     finished_at: Mapped[dt.datetime | None] = mapped_column(default=None)
     finish_reason: Mapped[str | None] = mapped_column(String(32), default=None)
+    project_id: Mapped[str | None] = mapped_column(String(128), default=None)
+    """A label of the tenant's own (PUT /sessions/{id}/project); projects are not shared between tenants."""
 
 
 class Model(Base):
@@ -88,6 +90,9 @@ class Model(Base):
     """The seq_id of the last request whose effect `state_path` includes."""
     done_seq: Mapped[int] = mapped_column(Integer, default=-1)
     """The seq_id of the last finished request; the next one to run is done_seq + 1."""
+    copied_from: Mapped[str | None] = mapped_column(String(512), default=None)
+    """The tinker:// path copy_weights made this run from: such a run holds checkpoints only and
+    cannot be trained on (the SDK's semantics)."""
 
 
 class Request(Base):
@@ -139,6 +144,8 @@ class Checkpoint(Base):
     user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
     created_at: Mapped[dt.datetime] = mapped_column(default=now)
     expires_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+    public: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
+    """Published: any tenant may read it by its tinker:// path (service/tinker_checkpoints.py)."""
 
 
 def unexpired():
@@ -241,6 +248,15 @@ class Endpoint(Base):
     last_seen: Mapped[dt.datetime] = mapped_column(default=now)
 
 
+class ServerSecret(Base):
+    """A secret the API instances share (signed download URLs), generated on first use."""
+
+    __tablename__ = "server_secrets"
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    value: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[dt.datetime] = mapped_column(default=now)
+
+
 class Counter(Base):
     """Named monotonic counters (request arrival order)."""
 
@@ -278,7 +294,8 @@ def connect(url: str) -> tuple[Engine, sessionmaker]:
     return engine, sessionmaker(engine, expire_on_commit=False)
 
 
-ADDED_COLUMNS = {"requests": ("attempts", "num_tokens"), "jobs": ("run_seconds", "interruptions")}
+ADDED_COLUMNS = {"requests": ("attempts", "num_tokens"), "jobs": ("run_seconds", "interruptions"),
+                 "sessions": ("project_id",), "models": ("copied_from",), "checkpoints": ("public",)}
 """Columns added after their table was first released: create_all() creates missing tables, not
 missing columns, so a store made by an older version gets them here (with their server default).
 Additive changes only; anything else would need a real migration tool (Alembic)."""

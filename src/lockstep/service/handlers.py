@@ -201,6 +201,9 @@ class Handlers:
     def _save_weights(self, req, model, base_path) -> Outcome:
         return self._save(req, model, "weights", optimizer=True)
 
+    def _save_weights_external(self, req, model, base_path) -> Outcome:
+        return self._save(req, model, "external_weights", optimizer=False)
+
     def _save_weights_for_sampler(self, req, model, base_path) -> Outcome:
         p = payload_json(req)
         if p.get("name"):
@@ -234,6 +237,7 @@ HANDLERS: dict[RequestKind, Callable[..., Outcome]] = {
     RequestKind.OPTIM_STEP: Handlers._optim_step,
     RequestKind.SAVE_WEIGHTS: Handlers._save_weights,
     RequestKind.SAVE_WEIGHTS_FOR_SAMPLER: Handlers._save_weights_for_sampler,
+    RequestKind.SAVE_WEIGHTS_EXTERNAL: Handlers._save_weights_external,
 }
 """Kind -> handler of the kinds that run alone (the packed kinds go through execute_batch)."""
 assert set(HANDLERS) == {k for k in RequestKind if k.value not in PACKED_KINDS}

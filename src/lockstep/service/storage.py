@@ -107,6 +107,21 @@ class Storage:
     def exists(self, key: str) -> bool:
         return self.fs.exists(self.path(key))
 
+    def files(self, key: str) -> list[str]:
+        """The files under a directory key, as paths relative to it, sorted."""
+        root = self.path(key)
+        return sorted(posixpath.relpath(f, root) for f in self.fs.find(root))
+
+    def presign(self, key: str, expires_in_s: int) -> str | None:
+        """The backend's own expiring URL for one object (S3's presigned GET), or None where the
+        backend cannot sign (the local one: the API signs its own URL, service/signed_urls.py)."""
+        if self.local:
+            return None
+        try:
+            return self.fs.sign(self.path(key), expiration=expires_in_s)
+        except NotImplementedError:
+            return None
+
     def size(self, key: str) -> int:
         target = self.path(key)
         if self.fs.isdir(target):

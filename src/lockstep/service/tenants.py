@@ -13,7 +13,7 @@ import uuid
 from sqlalchemy import bindparam, func, select, update
 
 from lockstep.service.db import Model, Tenant
-from lockstep.service.types import Conflict, QuotaExceeded, ServiceError, Unauthorized
+from lockstep.service.types import Conflict, NotFound, QuotaExceeded, ServiceError, Unauthorized
 
 KEY_PREFIX = "tml-"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -39,6 +39,18 @@ def create_tenant(session, name: str, *, max_concurrent_jobs: int = 2, max_model
     session.add(tenant)
     session.commit()
     return tenant, key
+
+
+def rotate_key(session, name: str) -> str:
+    """A new API key for tenant `name` (shown once); the old one, or a revoked one, stops working
+    (API processes that cached it accept it for deps.AUTH_TTL_S more)."""
+    tenant = session.scalar(select(Tenant).where(Tenant.name == name))
+    if tenant is None:
+        raise NotFound(f"no tenant {name!r} (list them in the store, or create one with `lockstep tenants create`)")
+    key = new_key()
+    tenant.key_hash = hash_key(key)
+    session.commit()
+    return key
 
 
 def authenticate(session, key: str | None) -> Tenant:

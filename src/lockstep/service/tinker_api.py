@@ -18,14 +18,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
-from sqlalchemy import bindparam, select
+from sqlalchemy import bindparam, or_, select
 from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
 
 from lockstep.service import queue, wire
 from lockstep.service.bodies import (MAX_SEQ, PRINTABLE, CreateModel, CreateSamplingSession, CreateSession, Finish,
                                      LoadWeights, LoraConfig, ModelRef, OptimStep, Retrieve, Sample, SaveWeights,
-                                     SessionRef, Training)
+                                     SaveWeightsExternal, SessionRef, Training)
 from lockstep.service.db import BaseModelEntry, Checkpoint, Model, SamplingSession, Session, Tenant, now, unexpired
 from lockstep.service.deps import (ServiceConfig, config, db, result_response, ring_workers, tenant_of,
                                    validation_message, wait_for_result)
@@ -60,10 +60,25 @@ training = APIRouter(route_class=SettlingRoute)
 """Routes that submit a model's seq_id-ordered requests (included into `router` at the end)."""
 TRAINING_ROUTES = {"forward_backward": RequestKind.FORWARD_BACKWARD, "optim_step": RequestKind.OPTIM_STEP,
                    "save_weights": RequestKind.SAVE_WEIGHTS, "load_weights": RequestKind.LOAD_WEIGHTS,
-                   "save_weights_for_sampler": RequestKind.SAVE_WEIGHTS_FOR_SAMPLER}
+                   "save_weights_for_sampler": RequestKind.SAVE_WEIGHTS_FOR_SAMPLER,
+                   "save_weights_external": RequestKind.SAVE_WEIGHTS_EXTERNAL}
 
 
 # -- bootstrap and sessions ----------------------------------------------------------------------
+GATED_ROUTES = {
+    "POST /api/v1/auth/token": ("client/config", "pjwt_auth_enabled", False),
+    "POST /api/v1/create_custom_loss": ("client/config", "custom_loss_server_side", False),
+    "POST /api/v1/retrieve_futures": ("client/config", "sample_use_retrieve_futures", False),
+    "POST /api/v1/join_sampling_session": ("client/config", "sample_join_sampling_session", False),
+    "POST /api/v1/cancel_future": ("client/dynamic_config", "sample_cancel_enabled", False),
+}
+"""SDK 0.38 routes this server does not answer, each with the flag of the config route that tells
+the SDK never to call it (and the value that does): plain API-key auth (no JWT exchange), custom
+losses computed client-side, one retrieve_future per sample, no joining sessions, no cancelling.
+The one list of them: tests/test_tinker_routes.py walks every other SDK route and checks each of
+these flags. Enabling a flag means answering its route and taking it off this list."""
+
+
 @router.post("/client/config")
 def client_config(request: Request, _t: Tenant = TENANT) -> dict:
     # Plain httpx transport, static key auth, every flag-gated extra off. Every token of a fwd/bwd
@@ -151,7 +166,7 @@ def base_of(s, name: str) -> BaseModelEntry:
 
 
 _MT, _BT = Model.__table__, BaseModelEntry.__table__
-_MODEL_BRIEF = (select(_MT.c.id, _MT.c.tenant_id, _MT.c.vocab_size, _BT.c.max_context_length)
+_MODEL_BRIEF = (select(_MT.c.id, _MT.c.tenant_id, _MT.c.vocab_size, _BT.c.max_context_length, _MT.c.copied_from)
                 .outerjoin(_BT, _BT.c.name == _MT.c.base_model).where(_MT.c.id == bindparam("mid")))
 """What a training submission checks; Core and built once (see queue.py)."""
 
@@ -170,6 +185,9 @@ def _model_brief(s, t: Tenant, model_id: str):
     row = s.execute(_MODEL_BRIEF, {"mid": model_id}).first() if possible else None
     if row is None or row.tenant_id != t.id:
         raise NotFound(f"unknown model_id {wire.shown(model_id)}")
+    if row.copied_from is not None:
+        raise ServiceError(f"model_id {model_id} is a copy of {row.copied_from} (copy_weights): it holds checkpoints "
+                           f"only and cannot be trained; load one into a new training run instead")
     return row
 
 
@@ -324,28 +342,50 @@ async def save_weights_for_sampler(body: SaveWeights, request: Request, t: Tenan
                                   prepare)
 
 
+CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+"""A checkpoint's kind (its tinker:// path segment) -> the SDK's checkpoint_type."""
+
+
+@training.post("/save_weights_external")
+async def save_weights_external(body: SaveWeightsExternal, request: Request, t: Tenant = TENANT) -> dict:
+    """The trainable weights as safetensors (a sampler snapshot's files), as external_weights/<name>:
+    its files are downloaded through GET .../external_weights_urls."""
+    if body.age_encryption_recipients:
+        raise ServiceError("age_encryption_recipients is not supported by this server: send None; the files are "
+                           "served only through expiring signed URLs of their owner's")
+
+    def prepare(_s, _model) -> bytes:
+        name = wire.check_name(body.path, "save_weights_external path")
+        return json.dumps({"name": name, "ttl_seconds": body.ttl_seconds}).encode()
+
+    return await _submit_training(request, t, body.model_id, body.seq_id, RequestKind.SAVE_WEIGHTS_EXTERNAL, prepare)
+
+
 def parse_tinker_path(path: str) -> tuple[str, str, str]:
-    """tinker://{run}/{weights|sampler_weights}/{name} -> (run id, kind, name)."""
+    """tinker://{run}/{weights|sampler_weights|external_weights}/{name} -> (run id, kind, name)."""
     if not isinstance(path, str) or not path.startswith("tinker://"):
         raise ServiceError(f"{wire.shown(path)} is not a tinker:// path (tinker://<run>/weights/<name>)")
     parts = path[len("tinker://"):].split("/")
-    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights") or not all(parts) or len(parts[0]) > 160:
-        raise ServiceError(f"{wire.shown(path)}: expected tinker://<run>/weights/<name> or "
-                           f"tinker://<run>/sampler_weights/<name>")
+    if len(parts) != 3 or parts[1] not in CHECKPOINT_KINDS or not all(parts) or len(parts[0]) > 160:
+        raise ServiceError(f"{wire.shown(path)}: expected tinker://<run>/<kind>/<name>, <kind> one of "
+                           f"{', '.join(CHECKPOINT_KINDS)}")
     return parts[0], parts[1], wire.check_name(parts[2], "checkpoint name")
 
 
-def checkpoint_of(s, t: Tenant, path: str) -> Checkpoint:
+def checkpoint_of(s, t: Tenant, path: str, *, readable: bool = False) -> Checkpoint:
+    """The caller's checkpoint at `path`; `readable`: or another tenant's published one (reads only:
+    sampling, loading, weights_info, copying; see tinker_checkpoints.py)."""
     run, kind, name = parse_tinker_path(path)
+    whose = or_(Checkpoint.tenant_id == t.id, Checkpoint.public.is_(True)) if readable else Checkpoint.tenant_id == t.id
     ck = s.scalar(select(Checkpoint).where(Checkpoint.model_id == run, Checkpoint.kind == kind, Checkpoint.name == name,
-                                           Checkpoint.tenant_id == t.id, unexpired()))
+                                           whose, unexpired()))
     if ck is None:
         raise NotFound(f"no checkpoint {wire.shown(path)}")
     return ck
 
 
 def _load_payload(s, t: Tenant, body: LoadWeights) -> tuple[Checkpoint, bytes]:
-    ck = checkpoint_of(s, t, body.path)
+    ck = checkpoint_of(s, t, body.path, readable=True)
     if ck.kind != "weights":
         raise ServiceError(f"{body.path}: load_weights needs a training checkpoint (.../weights/<name>)")
     return ck, json.dumps({"path": body.path, "storage_path": ck.storage_path, "optimizer": body.optimizer}).encode()
@@ -387,7 +427,7 @@ def create_sampling_session(body: CreateSamplingSession, request: Request, t: Te
         if s.get(SamplingSession, ssid) is not None:
             return {"sampling_session_id": ssid, "type": "create_sampling_session"}
         if body.model_path:
-            ck = checkpoint_of(s, t, body.model_path)
+            ck = checkpoint_of(s, t, body.model_path, readable=True)
             src = s.get(Model, ck.model_id)
             row = SamplingSession(id=ssid, tenant_id=t.id, session_id=body.session_id, base_model=src.base_model,
                                   model_path=body.model_path, weights_path=ck.storage_path, lora_rank=src.lora_rank,

@@ -12,13 +12,14 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Query, Request
 from sqlalchemy import func, select
 
-from lockstep.service import wire
-from lockstep.service.bodies import MAX_OFFSET, PRINTABLE, WeightsInfo
+from lockstep.service import signed_urls
+from lockstep.service.bodies import MAX_OFFSET, PRINTABLE, SessionSearch, SetProject, WeightsInfo
 from lockstep.service.db import Checkpoint, Model, SamplingSession, Session, Tenant, unexpired
 from lockstep.service.deps import db, tenant_of
 from lockstep.service.janitor import delete_unreferenced
-from lockstep.service.tinker_api import checkpoint_of, model_of, session_of
-from lockstep.service.types import NotFound, ServiceError
+from lockstep.service.session_search import search
+from lockstep.service.tinker_api import CHECKPOINT_KINDS, checkpoint_of, model_of, session_of
+from lockstep.service.tinker_checkpoints import own_checkpoint
 
 router = APIRouter()
 TENANT = Depends(tenant_of)
@@ -34,9 +35,9 @@ def _iso(value: dt.datetime | None) -> str | None:
 
 
 def _checkpoint_json(c: Checkpoint) -> dict:
-    kind = {"weights": "training", "sampler_weights": "sampler"}[c.kind]
-    return {"checkpoint_id": f"{c.kind}/{c.name}", "checkpoint_type": kind, "time": _iso(c.created_at),
-            "tinker_path": f"tinker://{c.model_id}/{c.kind}/{c.name}", "size_bytes": c.size_bytes, "public": False,
+    return {"checkpoint_id": f"{c.kind}/{c.name}", "checkpoint_type": CHECKPOINT_KINDS[c.kind],
+            "time": _iso(c.created_at), "tinker_path": f"tinker://{c.model_id}/{c.kind}/{c.name}",
+            "size_bytes": c.size_bytes, "public": bool(c.public),
             "user_metadata": c.user_metadata or None, "expires_at": _iso(c.expires_at)}
 
 
@@ -77,17 +78,8 @@ def run_checkpoints(run_id: RunId, request: Request, t: Tenant = TENANT) -> dict
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
 def delete_checkpoint(run_id: RunId, checkpoint_id: CheckpointPath, request: Request, t: Tenant = TENANT) -> dict:
-    kind, _, name = checkpoint_id.partition("/")
-    if kind not in ("weights", "sampler_weights"):
-        raise ServiceError(f"checkpoint_id {wire.shown(checkpoint_id)}: expected weights/<name> or "
-                           f"sampler_weights/<name>")
-    wire.check_name(name, "checkpoint name")
     with db(request) as s:
-        model_of(s, t, run_id)
-        ck = s.scalar(select(Checkpoint).where(Checkpoint.model_id == run_id, Checkpoint.kind == kind,
-                                               Checkpoint.name == name, Checkpoint.tenant_id == t.id, unexpired()))
-        if ck is None:
-            raise NotFound(f"no checkpoint {wire.shown(checkpoint_id)} in {run_id}")
+        ck = own_checkpoint(s, t, run_id, checkpoint_id)
         key = ck.storage_path
         s.delete(ck)
         s.commit()
@@ -128,7 +120,31 @@ def session_info(session_id: SessionPath, request: Request, t: Tenant = TENANT) 
 @router.post("/weights_info")
 def weights_info(body: WeightsInfo, request: Request, t: Tenant = TENANT) -> dict:
     with db(request) as s:
-        ck = checkpoint_of(s, t, body.tinker_path)
+        ck = checkpoint_of(s, t, body.tinker_path, readable=True)
         m = s.get(Model, ck.model_id)
     return {"base_model": m.base_model, "is_lora": m.lora_rank > 0, "lora_rank": m.lora_rank or None,
             "train_unembed": True, "train_mlp": True, "train_attn": True, "optimizer_config": {"type": "adamw"}}
+
+
+@router.post("/sessions/search")
+def sessions_search(body: SessionSearch, request: Request, t: Tenant = TENANT) -> dict:
+    with db(request) as s:
+        return search(s, t, body)
+
+
+@router.put("/sessions/{session_id}/project")
+def session_project(session_id: SessionPath, body: SetProject, request: Request, t: Tenant = TENANT) -> dict:
+    """Projects are labels within the caller's tenant: any name may be used, none is shared."""
+    with db(request) as s:
+        session_of(s, t, session_id).project_id = body.project_id
+        s.commit()
+    return {}
+
+
+@router.get("/sessions/{session_id}/trace_export")
+def trace_export(session_id: SessionPath, request: Request, t: Tenant = TENANT) -> dict:
+    """Ready at once: the URL renders the session's trace (Chrome/Perfetto JSON) when fetched."""
+    with db(request) as s:
+        session_of(s, t, session_id)
+    return {"status": "ready", "url": signed_urls.sign(request, signed_urls.TRACE, session_id, signed_urls.expiry()),
+            "error": None}

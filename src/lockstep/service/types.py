@@ -55,6 +55,7 @@ class RequestKind(str, enum.Enum):
     OPTIM_STEP = "optim_step"
     SAVE_WEIGHTS = "save_weights"
     SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
+    SAVE_WEIGHTS_EXTERNAL = "save_weights_external"
     SAMPLE = "sample"
 
     @property
