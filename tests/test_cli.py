@@ -39,6 +39,7 @@ def test_cli_surface_is_frozen():
         "serve --persist-every",
         "tenants --help/-h", "tenants create --help/-h", "tenants create --db", "tenants create --json",
         "tenants create --max-jobs", "tenants create --max-models",
+        "tenants rotate-key --help/-h", "tenants rotate-key --db", "tenants rotate-key --json",
         "submit --help/-h", "submit --name", "submit --priority", "submit --max-attempts", "submit --server",
         "submit --api-key", "submit --json",
         "jobs --help/-h", "jobs --server", "jobs --api-key", "jobs --json",
