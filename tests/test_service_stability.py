@@ -181,6 +181,21 @@ def test_a_swept_record_is_expired_not_unrecorded(api):
     assert r.status_code == 400 and f"sequence_id {seq} has expired" in r.json()["error"]
 
 
+def test_the_janitor_deletes_records_whose_day_is_over(api, tmp_path):
+    from lockstep.service import janitor
+    from lockstep.service.storage import Storage
+
+    client, sessions, key, _ = api
+    sid, _ = new_model(client, key)
+    ids = sample(client, key, sampler(client, key, sid), num_samples=2).json()["sample_sequence_ids"]
+    with sessions() as s:
+        s.get(StabilityRecord, ids[0]).expires_at = now() - dt.timedelta(seconds=1)
+        s.commit()
+    janitor.sweep(sessions, Storage(str(tmp_path / "storage")), session_ttl_s=3600)
+    with sessions() as s:
+        assert [r.id for r in s.scalars(select(StabilityRecord))] == [ids[1]]
+
+
 def test_unrecorded_sequences_are_checked_for_their_session_only(api):
     """A sample without record_stability_info keeps no tokens: its id still names its session
     (the cookbook's rl.train attaches provenance whatever the loss)."""
