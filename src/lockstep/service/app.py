@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 
 from lockstep.service import doorbell
 from lockstep.service.db import connect
-from lockstep.service.deps import ServiceConfig, db, error_body, tenant_of, validation_message
+from lockstep.service.deps import ServiceConfig, error_body, validation_message
 from lockstep.service.notifier import JobNotifier, StreamSlots
 from lockstep.service.policy import Policy
 from lockstep.service.prometheus import HttpMetrics, Metrics

@@ -187,7 +187,8 @@ class SaveWeights(Training):
     ttl_seconds: Ttl | None = None
     user_metadata: Metadata | None = None
     sampling_session_seq_id: SeqFrom0 | None = None
-    kind: Short | None = None
+    kind: Literal["snapshot", "inflight"] | None = None
+    """SDK 0.38's SamplingClientKind: a fixed snapshot, or the model's shared inflight target."""
     overwrite: bool = False
 
 
@@ -236,6 +237,8 @@ class Sample(Body):
     target_prompt_logprobs: dict[str, Any] | None = None
     base_model: ModelName | None = None
     model_path: TinkerPath | None = None
+    record_stability_info: bool | None = None
+    """Keep each sampled sequence for provenance checks (service/stability.py)."""
 
 
 # -- futures and listings ------------------------------------------------------------------------

@@ -168,6 +168,35 @@ class SamplingSession(Base):
     lora_config: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     vocab_size: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[dt.datetime] = mapped_column(default=now)
+    inflight_of: Mapped[str | None] = mapped_column(String(160), default=None)
+    """An inflight client: the id of its training model's inflight target (the sampling session
+    `<model>:inflight`, whose weights_path each inflight save moves); it samples the target's
+    latest weights, never weights of its own."""
+
+
+class StabilityRecord(Base):
+    """A sampled sequence kept for provenance checks and StableReinforce (`record_stability_info`):
+    its prompt, sampled tokens and logprobs, and the weights that sampled it. Kept for a day after
+    sampling or after the last training request that names it (service/stability.py)."""
+
+    __tablename__ = "stability_records"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    """The sequence_id the SDK got for it."""
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    session_id: Mapped[str] = mapped_column(String(64))
+    sampling_session_id: Mapped[str] = mapped_column(String(160))
+    prompt: Mapped[bytes] = mapped_column(LargeBinary)
+    """The request's prompt tokens, int32."""
+    tokens: Mapped[bytes | None] = mapped_column(LargeBinary, default=None)
+    """Sampled tokens, int32; NULL until the sample request succeeds."""
+    logprobs: Mapped[bytes | None] = mapped_column(LargeBinary, default=None)
+    """The sampler's logprob of each sampled token, float32."""
+    weights: Mapped[str | None] = mapped_column(String(512), default=None)
+    """Storage key of the weights that sampled it (NULL: the base model)."""
+    num_tokens: Mapped[int] = mapped_column(Integer)
+    """Tokens it counts against the tenant's stability_quota_tokens (prompt + max_tokens)."""
+    created_at: Mapped[dt.datetime] = mapped_column(default=now)
+    expires_at: Mapped[dt.datetime] = mapped_column(index=True)
 
 
 class Job(Base):
@@ -295,7 +324,8 @@ def connect(url: str) -> tuple[Engine, sessionmaker]:
 
 
 ADDED_COLUMNS = {"requests": ("attempts", "num_tokens"), "jobs": ("run_seconds", "interruptions"),
-                 "sessions": ("project_id",), "models": ("copied_from",), "checkpoints": ("public",)}
+                 "sessions": ("project_id",), "models": ("copied_from",), "checkpoints": ("public",),
+                 "sampling_sessions": ("inflight_of",)}
 """Columns added after their table was first released: create_all() creates missing tables, not
 missing columns, so a store made by an older version gets them here (with their server default).
 Additive changes only; anything else would need a real migration tool (Alembic)."""

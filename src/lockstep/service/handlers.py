@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from sqlalchemy import bindparam, select
 
-from lockstep.service import janitor, queue
+from lockstep.service import janitor, queue, stability
 from lockstep.service.db import BaseModelEntry, Checkpoint, Model, SamplingSession, now
 from lockstep.service.outcome import Outcome, UserError, attempt
 from lockstep.service.packing import PACKED_KINDS
@@ -64,6 +64,10 @@ class Handlers:
         """recovery.Recovery.ensure_model: rebuild a model the host does not hold."""
         self.base_paths: dict[str, str] = {}
         """Base model name -> directory; registered once and never changed, so read once."""
+        self.inflight: dict[str, str] = {}
+        """Inflight target id -> the weights key this worker's host holds for it."""
+        self.sampled_with: dict[str, str | None] = {}
+        """Sample request id -> the weights key it runs on, from readying to its outcome."""
 
     def base_path(self, s, name: str) -> str:
         if name not in self.base_paths:
@@ -86,6 +90,11 @@ class Handlers:
         out: list = list(ready)
         for i, r in zip(runs, ran):
             out[i] = r if isinstance(r, Exception) else _packed_outcome(kind, *r)
+        if kind == RequestKind.SAMPLE.value:
+            for i, m in enumerate(members):
+                weights = self.sampled_with.pop(m.id, None)
+                if isinstance(out[i], Outcome):
+                    out[i].update = stability.record_update(ready[i].payload, out[i].result, weights)
         return out
 
     def execute(self, req: queue.Claimed) -> Outcome:
@@ -115,12 +124,29 @@ class Handlers:
                 if ss is None:  # the API checks it exists; only a row deleted behind its back (expired) lacks one
                     raise UserError(f"unknown sampling_session_id {req.sampling_session_id!r}")
                 base_path = self.base_path(s, ss.base_model)
-            if not self.host.has_session(ss.id):
-                self.host.open_session(ss.id, base_path, ss.lora_config, ss.weights_path)
-            return BatchMember(ss.id, payload_json(req))
+                key, weights = self._sample_target(s, ss)
+            if key in self.inflight and self.inflight[key] != weights and self.host.has_session(key):
+                self.host.drop_session(key)  # an inflight save elsewhere moved the target
+            if not self.host.has_session(key):
+                self.host.open_session(key, base_path, ss.lora_config, weights)
+                if ss.inflight_of:
+                    self.inflight[key] = weights
+            self.sampled_with[req.id] = weights
+            return BatchMember(key, payload_json(req))
         model, base_path = self._model(req)
         self.ensure_model(model, base_path)
         return BatchMember(model.id, req.payload)
+
+    @staticmethod
+    def _sample_target(s, ss) -> tuple[str, str | None]:
+        """(the host session a sampling session samples on, its weights key): its own, or for an
+        inflight client its model's inflight target's latest."""
+        if not ss.inflight_of:
+            return ss.id, ss.weights_path
+        target = s.get(SamplingSession, ss.inflight_of)
+        if target is None:  # created with the client's row, deleted only with it (janitor.sweep)
+            raise UserError(f"inflight sampling session {ss.id} has lost its target {ss.inflight_of}")
+        return target.id, target.weights_path
 
     # -- training requests -----------------------------------------------------------------------
     def _create_model(self, req, model, base_path) -> Outcome:
@@ -212,6 +238,8 @@ class Handlers:
         if isinstance(seq, bool) or not isinstance(seq, int):
             raise UserError("save_weights_for_sampler needs a name or an integer sampling_session_seq_id")
         ssid = f"{model.id}:sample:{seq}"
+        if p.get("kind") == "inflight":
+            return self._save_inflight(model, base_path, ssid)
         key = unique_key(f"ephemeral/{model.tenant_id}", safe(ssid))
         self.host.snapshot_session(model.id, ssid, key, base_path, model.lora_config)
 
@@ -223,6 +251,37 @@ class Handlers:
 
         return Outcome(json.dumps({"sampling_session_id": ssid, "type": "save_weights_for_sampler"}).encode(),
                        update=update, on_abort=lambda: self._delete_unreferenced(key))
+
+
+    def _save_inflight(self, model, base_path: str, ssid: str) -> Outcome:
+        """An inflight save: the model's one inflight target (`<model>:inflight`) moves to the
+        current weights, written under a new key and swapped in place on this host (the very
+        snapshot a snapshot save makes); `ssid` becomes a client sampling the target's latest."""
+        target = f"{model.id}:inflight"
+        key = unique_key(f"ephemeral/{model.tenant_id}", safe(target))
+        self.host.snapshot_session(model.id, target, key, base_path, model.lora_config)
+        self.inflight[target] = key
+        with self.sessions() as s:
+            old = s.get(SamplingSession, target)
+            replaced = old.weights_path if old is not None else None
+
+        def update(s):
+            row = s.get(SamplingSession, target)
+            if row is None:
+                row = SamplingSession(id=target, tenant_id=model.tenant_id, session_id=model.session_id,
+                                      base_model=model.base_model, lora_rank=model.lora_rank,
+                                      lora_config=model.lora_config, vocab_size=model.vocab_size)
+                s.add(row)
+            row.weights_path = key
+            if s.get(SamplingSession, ssid) is None:
+                s.add(SamplingSession(id=ssid, tenant_id=model.tenant_id, session_id=model.session_id,
+                                      base_model=model.base_model, lora_rank=model.lora_rank,
+                                      lora_config=model.lora_config, vocab_size=model.vocab_size,
+                                      inflight_of=target))
+
+        return Outcome(json.dumps({"sampling_session_id": ssid, "type": "save_weights_for_sampler"}).encode(),
+                       update=update, on_abort=lambda: self._delete_unreferenced(key),
+                       after_commit=(lambda: self._delete_unreferenced(replaced)) if replaced else None)
 
 
 def _packed_outcome(kind: str, body: bytes, tokens: int) -> Outcome:

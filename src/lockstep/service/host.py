@@ -427,6 +427,10 @@ class EngineHost(PackedBatches):
     def has_session(self, session_id: str) -> bool:
         return ("session", session_id) in self.models
 
+    def drop_session(self, session_id: str) -> None:
+        """Forget a sampling session (an inflight target whose weights moved on another worker)."""
+        self.models.pop(("session", session_id))
+
     def _session_sampler(self, session_id: str, session: Session):
         """(sampler, the adapter its rows name or None) for a session: the shared base's, or its
         skeleton's, now holding the session's weights."""

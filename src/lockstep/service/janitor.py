@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import delete, or_, select
 
-from lockstep.service.db import Checkpoint, Endpoint, Model, SamplingSession, Session, now
+from lockstep.service.db import Checkpoint, Endpoint, Model, SamplingSession, Session, StabilityRecord, now
 from lockstep.service.storage import Storage
 
 log = logging.getLogger("lockstep.janitor")
@@ -55,6 +55,7 @@ def sweep(sessions, storage: Storage, *, session_ttl_s: float) -> Swept:
         for row in (*expired, *samplers):
             s.delete(row)
         gone = s.execute(delete(Endpoint).where(Endpoint.last_seen < at - dt.timedelta(seconds=ENDPOINT_TTL_S)))
+        s.execute(delete(StabilityRecord).where(StabilityRecord.expires_at <= at))  # their day is over
         s.commit()
     for key in sorted(keys):
         delete_unreferenced(sessions, storage, key)

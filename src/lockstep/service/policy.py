@@ -129,6 +129,10 @@ class Limits:
     event_poll_s: float = 0.5
     """How often the API's one change notifier reads the store for new job events (top level
     only): the longest an event written by the worker waits to reach its streams."""
+    stability_quota_tokens: int = 4_000_000
+    """Tokens of recorded samples (`record_stability_info`: prompt + max_tokens per sequence) a
+    tenant may hold at once; records last a day from sampling or their last training use
+    (service/stability.py). A sample past it is a 429 naming this cap."""
     batch_weight: float = 1.0
     """The tenant's weight in the Executor's packed batches (service/packing.py): backlogged
     tenants share each batch's token budget, and executor time, in proportion to their weights."""

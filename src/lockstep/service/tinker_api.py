@@ -22,13 +22,14 @@ from sqlalchemy import bindparam, or_, select
 from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
 
-from lockstep.service import queue, wire
+from lockstep.service import queue, stability, wire
 from lockstep.service.bodies import (MAX_SEQ, PRINTABLE, CreateModel, CreateSamplingSession, CreateSession, Finish,
                                      LoadWeights, LoraConfig, ModelRef, OptimStep, Retrieve, Sample, SaveWeights,
                                      SaveWeightsExternal, SessionRef, Training)
 from lockstep.service.db import BaseModelEntry, Checkpoint, Model, SamplingSession, Session, Tenant, now, unexpired
 from lockstep.service.deps import (ServiceConfig, config, db, result_response, ring_workers, tenant_of,
                                    validation_message, wait_for_result)
+from lockstep.service.policy import Policy
 from lockstep.service.tenants import check_model_quota, lock_quota
 from lockstep.service.types import Conflict, NotFound, RequestKind, ServiceError, check_loss
 
@@ -166,7 +167,8 @@ def base_of(s, name: str) -> BaseModelEntry:
 
 
 _MT, _BT = Model.__table__, BaseModelEntry.__table__
-_MODEL_BRIEF = (select(_MT.c.id, _MT.c.tenant_id, _MT.c.vocab_size, _BT.c.max_context_length, _MT.c.copied_from)
+_MODEL_BRIEF = (select(_MT.c.id, _MT.c.tenant_id, _MT.c.session_id, _MT.c.vocab_size, _BT.c.max_context_length,
+                      _MT.c.copied_from)
                 .outerjoin(_BT, _BT.c.name == _MT.c.base_model).where(_MT.c.id == bindparam("mid")))
 """What a training submission checks; Core and built once (see queue.py)."""
 
@@ -298,12 +300,15 @@ async def forward_backward(request: Request, t: Tenant = TENANT):
         raise ServiceError(f"seq_id must be >= 1 for training requests, got {msg.seq_id}")
     cfg: ServiceConfig = config(request)
 
-    def prepare(_s, model) -> bytes:
+    def prepare(s, model) -> bytes:
         fb = wire.forward_backward_from_pb(msg, max_tokens=cfg.max_tokens_per_request)
+        stability.refuse_stable_reinforce(fb.loss_fn)
         check_loss(fb.loss_fn, fb.loss_fn_config)
         for i, d in enumerate(fb.data):
             wire.check_datum(i, d.model_input, d.loss_fn_inputs, model.vocab_size, model.max_context_length)
         wire.check_loss_inputs(fb)
+        named = stability.check_provenance(s, tenant_id=t.id, session_id=model.session_id, msg=msg, fb=fb)
+        stability.touch(s, named)  # checked in full first: a refused request restarts no record's day
         return body
 
     kind = RequestKind.FORWARD if msg.forward_only else RequestKind.FORWARD_BACKWARD
@@ -334,9 +339,13 @@ async def save_weights_for_sampler(body: SaveWeights, request: Request, t: Tenan
         if body.path is None and body.sampling_session_seq_id is None:
             raise ServiceError("save_weights_for_sampler needs a path (a named save) or sampling_session_seq_id "
                                "(ephemeral)")
+        if body.kind == "inflight" and body.path is not None:
+            raise ServiceError("save_weights_for_sampler: kind 'inflight' publishes to the model's shared inflight "
+                               "target and takes no path; send sampling_session_seq_id (or kind 'snapshot')")
         name = wire.check_name(body.path, "save_weights_for_sampler path") if body.path is not None else None
         return json.dumps({"name": name, "sampling_session_seq_id": body.sampling_session_seq_id,
-                           "ttl_seconds": body.ttl_seconds, "user_metadata": body.user_metadata}).encode()
+                           "kind": body.kind or "snapshot", "ttl_seconds": body.ttl_seconds,
+                           "user_metadata": body.user_metadata}).encode()
 
     return await _submit_training(request, t, body.model_id, body.seq_id, RequestKind.SAVE_WEIGHTS_FOR_SAMPLER,
                                   prepare)
@@ -495,9 +504,14 @@ async def asample(body: Sample, request: Request, t: Tenant = TENANT) -> dict:
                 raise NotFound(f"unknown sampling_session_id {wire.shown(body.sampling_session_id)}")
             base = base_of(s, ss.base_model)
             prompt = check_sample(body, ss.vocab_size, base.max_context_length, cfg.max_sampled_tokens)
-            ids = [uuid.uuid4().hex for _ in range(body.num_samples)]
-            payload = json.dumps({**body.model_dump(), "sample_sequence_ids": ids}).encode()
             max_tokens = body.sampling_params.max_tokens if body.sampling_params.max_tokens is not None else 256
+            ids = stability.sequence_ids(ss.session_id, body.num_samples, recorded=bool(body.record_stability_info))
+            if body.record_stability_info:
+                quota = (cfg.policy or Policy()).for_tenant(t.name).stability_quota_tokens
+                lock_quota(s, t.id)  # held to the commit: concurrent samples cannot overshoot the quota together
+                stability.reserve(s, tenant=t, quota=quota, session_id=ss.session_id, sampling_session_id=ss.id,
+                                  ids=ids, prompt=prompt, max_tokens=max_tokens)
+            payload = json.dumps({**body.model_dump(), "sample_sequence_ids": ids}).encode()
             req = queue.submit(s, tenant_id=t.id, kind=RequestKind.SAMPLE, payload=payload, sampling_session_id=ss.id,
                                num_tokens=body.num_samples * (len(prompt) + max_tokens))
         ring_workers(request)
