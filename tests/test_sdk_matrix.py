@@ -8,10 +8,21 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-from sdk_matrix import DEFAULT_CACHE, IndexUnreachable, index_versions, run_matrix, venv_ready  # noqa: E402
+from packaging.version import Version  # noqa: E402
+from sdk_matrix import (DEFAULT_CACHE, IndexUnreachable, Row, index_versions, latest_patches, markdown,  # noqa: E402
+                        run_matrix, venv_ready)
 
 SPREAD = ["0.25.0", "0.30.4", "0.33.1", "0.38.0"]
 REFUSED = "0.24.1"
+
+
+def test_the_matrix_takes_the_latest_final_patch_of_each_minor_in_range():
+    """From the index's listing as pip prints it (0.37 was never released; a pre-release is not a patch)."""
+    listed = "0.39.0rc1, 0.38.0, 0.36.0, 0.33.1, 0.33.0, 0.30.4, 0.30.3, 0.26.2, 0.26.0, 0.25.0, 0.24.1, 0.16.1"
+    got = latest_patches([Version(v) for v in listed.split(", ")], Version("0.25"), Version("0.38"))
+    assert [str(v) for v in got] == ["0.25.0", "0.26.2", "0.30.4", "0.33.1", "0.36.0", "0.38.0"]
+    table = markdown([Row("0.25.0", True, "", 12.34, [], []), Row("0.24.1", False, "connect: a | b", 1.0, [], [])])
+    assert table.splitlines()[2:] == ["| 0.25.0 | yes | — | 12.3 |", "| 0.24.1 | no | connect: a \\| b | 1.0 |"]
 
 
 @pytest.mark.slow  # four SDK sessions (~1-2 min each on 2 loaded cores), plus each venv's install once
