@@ -393,7 +393,7 @@ def test_an_sdk_newer_than_the_tested_ones_is_served_with_a_logged_warning(serve
 
     monkeypatch.setattr(holder, "tinker_sdk_version", "0.39.0")  # what a 0.39 SDK sends
     with caplog.at_level(logging.WARNING, logger="tinker"):
-        sc = client(server)  # creates its session
+        sampler = client(server).create_sampling_client(base_model="lockstep/tiny")  # the SDK's lazy create_session
     warned = [r.getMessage() for r in caplog.records if r.name.startswith("tinker")]
     assert any("tinker SDK 0.39.0 is newer" in m and "(0.38.0)" in m for m in warned), warned
-    assert sc.get_server_capabilities().supported_models  # and the session serves
+    assert len(sampler.compute_logprobs(types.ModelInput.from_ints([5, 6, 7])).result()) == 3  # and it serves
