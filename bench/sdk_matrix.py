@@ -58,7 +58,7 @@ class Row:
 # -- versions and venvs --------------------------------------------------------------------------
 def index_versions(pip: list[str]) -> list[Version]:
     """Every tinker version the package index serves (pip's own client, whatever index it is set to)."""
-    out = subprocess.run([*pip, "index", "versions", "tinker"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([*pip, "index", "versions", "tinker"], capture_output=True, text=True, timeout=300, check=False)
     found = re.search(r"Available versions: (.+)", out.stdout)
     if out.returncode != 0 or not found:
         raise IndexUnreachable(f"`pip index versions tinker` failed: {(out.stderr or out.stdout).strip()[-500:]}")
@@ -101,7 +101,7 @@ def ensure_venv(cache: Path, version: str) -> Path:
     log = cache / f"{version}.log"
     with open(log, "w") as f:
         done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-compile",
-                               f"tinker=={version}"], stdout=f, stderr=subprocess.STDOUT, timeout=1800)
+                               f"tinker=={version}"], stdout=f, stderr=subprocess.STDOUT, timeout=1800, check=False)
     if done.returncode != 0:  # the index answered a listing (or did before): a real failure, not a skip
         raise RuntimeError(f"pip install tinker=={version} failed (log: {log}): "
                                f"{log.read_text().strip()[-500:]}")
@@ -162,7 +162,8 @@ def run_session(python: Path, server: Server, version: str, timeout_s: float) ->
     start = time.monotonic()
     try:
         done = subprocess.run([str(python), str(SESSION), "--base-url", server.url, "--api-key", key, "--out",
-                               str(out)], capture_output=True, text=True, env=server.env, timeout=timeout_s)
+                               str(out)], capture_output=True, text=True, env=server.env, timeout=timeout_s,
+                              check=False)
         tail = (done.stderr or done.stdout).strip()[-500:]
     except subprocess.TimeoutExpired:
         tail = f"the session did not finish in {timeout_s:.0f} s"

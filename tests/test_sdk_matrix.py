@@ -8,9 +8,17 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-from packaging.version import Version  # noqa: E402
-from sdk_matrix import (DEFAULT_CACHE, IndexUnreachable, Row, index_versions, latest_patches, markdown,  # noqa: E402
-                        run_matrix, venv_ready)
+from packaging.version import Version
+from sdk_matrix import (
+    DEFAULT_CACHE,
+    IndexUnreachable,
+    Row,
+    index_versions,
+    latest_patches,
+    markdown,
+    run_matrix,
+    venv_ready,
+)
 
 SPREAD = ["0.25.0", "0.30.4", "0.33.1", "0.38.0"]
 REFUSED = "0.24.1"

@@ -8,10 +8,10 @@ with `exclude_unset=False, exclude_none=True` (`type` kept, project_id dropped).
 
 import pytest
 from sqlalchemy import func, select
+from test_service_api import post, serving
 
 from lockstep.service.db import Session
-from lockstep.service.sdk_versions import MIN_SDK, TESTED_NEWEST, check_sdk_version
-from test_service_api import post, serving
+from lockstep.service.sdk_versions import check_sdk_version
 
 
 def body_of(version: str) -> dict:
@@ -68,7 +68,7 @@ def test_newer_sdks_are_served_with_a_warning_naming_the_tested_version(api, ver
 def test_a_version_that_is_not_one_is_served_without_a_warning(api, version):
     """Hand-written clients send anything here: nothing says which wire format they speak, and
     each route refuses what it cannot read."""
-    client, sessions, key, _ = api
+    client, _, key, _ = api
     r = post(client, "create_session", key, {"tags": [], "sdk_version": version})
     assert r.status_code == 200 and r.json()["warning_message"] is None, r.text
     assert check_sdk_version(version) is None
