@@ -7,8 +7,8 @@ its own venv, against one real `lockstep serve` (subprocess, built-in model).
 The versions come from the package index (`pip index versions tinker`): the latest patch of each
 minor from --first to --last. Each gets a venv under --cache (default ~/.cache/lockstep/sdk-venvs/
 <version>, made with `python -m venv` and `pip install tinker==<version>` with its own dependencies
-(never this environment's packages), reused once complete). Each version's session runs as its own tenant, so listings see only its
-runs. --also adds versions outside the range (0.24.1: the refusal at create_session). The result is
+(never this environment's packages), reused once complete). Each version's session runs as its own
+tenant, so listings see only its runs. --also adds versions outside the range (0.24.1: the refusal at create_session). The result is
 a table, version | passed | what failed (first error) | seconds, as JSON and markdown.
 """
 
