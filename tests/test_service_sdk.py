@@ -383,3 +383,17 @@ def test_executor_killed_alone_restarts_and_dies_with_its_supervisor(tmp_path, b
         srv.stop()
     want = reference_logprobs(builtin_dir, data, steps=6, lr=1e-2, seed=5)
     assert all((a == b).all() for a, b in zip(got, want))
+
+
+def test_an_sdk_newer_than_the_tested_ones_is_served_with_a_logged_warning(server, monkeypatch, caplog):
+    """create_session's warning_message (service/sdk_versions.py) reaches the user: the SDK logs it."""
+    import logging
+
+    import tinker.lib.internal_client_holder as holder
+
+    monkeypatch.setattr(holder, "tinker_sdk_version", "0.39.0")  # what a 0.39 SDK sends
+    with caplog.at_level(logging.WARNING, logger="tinker"):
+        sampler = client(server).create_sampling_client(base_model="lockstep/tiny")  # the SDK's lazy create_session
+    warned = [r.getMessage() for r in caplog.records if r.name.startswith("tinker")]
+    assert any("tinker SDK 0.39.0 is newer" in m and "(0.38.0)" in m for m in warned), warned
+    assert len(sampler.compute_logprobs(types.ModelInput.from_ints([5, 6, 7])).result()) == 3  # and it serves

@@ -30,6 +30,7 @@ from lockstep.service.db import BaseModelEntry, Checkpoint, Model, SamplingSessi
 from lockstep.service.deps import (ServiceConfig, config, db, result_response, ring_workers, tenant_of,
                                    validation_message, wait_for_result)
 from lockstep.service.policy import Policy
+from lockstep.service.sdk_versions import check_sdk_version
 from lockstep.service.tenants import check_model_quota, lock_quota
 from lockstep.service.types import Conflict, NotFound, RequestKind, ServiceError, check_loss
 
@@ -99,12 +100,13 @@ def dynamic_config(_t: Tenant = TENANT) -> dict:
 
 @router.post("/create_session")
 def create_session(body: CreateSession, request: Request, t: Tenant = TENANT) -> dict:
+    warning = check_sdk_version(body.sdk_version)  # an SDK too old for this wire protocol: 400, nothing stored
     sid = uuid.uuid4().hex[:16]
     with db(request) as s:
         s.add(Session(id=sid, tenant_id=t.id, tags=list(body.tags), user_metadata=body.user_metadata or {},
                       sdk_version=body.sdk_version[:32]))
         s.commit()
-    return {"session_id": sid, "type": "create_session"}
+    return {"session_id": sid, "type": "create_session", "warning_message": warning}
 
 
 def session_of(s, t: Tenant, session_id: str) -> Session:
