@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -199,6 +200,7 @@ def main() -> int:
     ap.add_argument("--modes", default="before,after")
     ap.add_argument("--json")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops the service (finally)
     after_kernels = os.environ.get("LOCKSTEP_KERNELS_DIR", str(ROOT / "src/lockstep/engine/kernels/_build"))
     envs = {"before": {"PYTHONPATH": args.before_src, "LOCKSTEP_KERNELS_DIR": args.before_kernels},
             "after": {"PYTHONPATH": str(ROOT / "src"), "LOCKSTEP_KERNELS_DIR": after_kernels}}
