@@ -12,7 +12,7 @@ thing: `lockstep serve --no-worker` and one `lockstep worker` as subprocesses (t
 with the worker's defaults, run with the mode's PYTHONPATH; the clients are the installed tinker SDK,
 the same script for both modes.
 
-Each client is its own tenant, with one LoRA training client (rank 16, the SDK's other defaults:
+Clients are spread round-robin over --tenants tenants (16: each its own). Each has one LoRA training client (rank 16, the SDK's other defaults:
 attention, MLP and lm_head) and one sampling client on its first snapshot. A round is, in order
 and each awaited: forward_backward (4 datums x 32 tokens, cross_entropy), optim_step (AdamW), and
 sample (a 16-token prompt, 4 samples x 16 new tokens, no stop). After a warm-up round, the clients
@@ -43,8 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from common import machine  # noqa: E402
-from service_harness import Service, alive  # noqa: E402
+from common import machine
+from service_harness import Service, alive, wait_until
 
 BASE = "lockstep/tiny"
 RANK = 16
@@ -93,6 +93,21 @@ class Client:
         self._timed("sample", lambda: self.sampler.sample(prompt=prompt, num_samples=SAMPLES, sampling_params=params))
 
 
+class PatientService(Service):
+    """The harness's service with the waits a loaded machine needs, and the worker started again
+    when Ray's node fails its fixed 30 s startup wait (seen at load average 40)."""
+
+    def start(self) -> "PatientService":
+        self.api = self._spawn("serve", "--no-worker", "--port", str(self.port))
+        wait_until(self._api_up, timeout=900, what="the API", every=1)
+        for _ in range(4):
+            self.start_worker()
+            if wait_until(lambda: self.executor() or self.worker.poll() is not None, timeout=1200,
+                          what="the worker's executor", every=1) is not True:
+                return self
+        raise RuntimeError(f"the worker did not start (see {self.log})")
+
+
 class RssProbe:
     """Resident sets every second, until stopped: (the worker's process tree, with Ray's own
     processes; the Executor alone, which holds the models)."""
@@ -119,26 +134,28 @@ class RssProbe:
 
 
 def tenants(svc: Service, home: Path, n: int) -> list[str]:
+    """n tenants' API keys, made once per mode's database (each `tenants create` is a process)."""
     keys_file = home / "keys.json"
     if keys_file.exists():
         return json.loads(keys_file.read_text())
-    keys = [svc.tenant(f"e2e{i}", max_models=64) for i in range(n)]
+    keys = [svc.tenant(f"e2e{i}", max_models=64) for i in range(n)]  # clients share them round-robin
     keys_file.write_text(json.dumps(keys))
     return keys
 
 
-def segment(mode: str, env: dict, home: Path, clients: int, rounds: int) -> dict:
+def segment(mode: str, env: dict, home: Path, clients: int, rounds: int, n_tenants: int) -> dict:
     load_before = os.getloadavg()
-    svc = Service(home, env=env).start()
+    svc = PatientService(home, env=env)
     try:
-        keys = tenants(svc, home, clients)
+        svc.start()
+        keys = tenants(svc, home, n_tenants)
         made, errors = [None] * clients, []
         start, ready = threading.Event(), threading.Barrier(clients + 1)
         finished = [0.0] * clients
 
         def run(i: int) -> None:
             try:
-                made[i] = c = Client(svc.url, keys[i], seed=i)
+                made[i] = c = Client(svc.url, keys[i % len(keys)], seed=i)
                 c.round()  # warm-up: first requests, model builds, kernel loads
                 c.latency = {k: [] for k in KINDS}
             except Exception as e:  # noqa: BLE001 - reported
@@ -166,7 +183,7 @@ def segment(mode: str, env: dict, home: Path, clients: int, rounds: int) -> dict
     finally:
         svc.stop()
     lat = {k: [x for c in made if c for x in c.latency[k]] for k in KINDS}
-    out = {"mode": mode, "clients": clients, "rounds": rounds, "wall_s": round(wall, 2),
+    out = {"mode": mode, "clients": clients, "tenants": n_tenants, "rounds": rounds, "wall_s": round(wall, 2),
            "rounds_per_s": round(rounds / wall, 4), "client_rounds_per_s": round(clients * rounds / wall, 3),
            "worker_rss_mib_peak": round(max(r[0] for r in rss) / 2**20) if rss else None,
            "executor_rss_mib_peak": round(max(r[1] for r in rss) / 2**20) if rss else None,
@@ -195,6 +212,7 @@ def main() -> int:
     ap.add_argument("--before-src", required=True, help="src/ of the code before issue 28 (commit 8fa86ef)")
     ap.add_argument("--before-kernels", required=True, help="LOCKSTEP_KERNELS_DIR with that code's kernels built")
     ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--tenants", type=int, default=16, help="clients are spread over this many tenants")
     ap.add_argument("--rounds", type=int, default=8, help="timed rounds per client per segment")
     ap.add_argument("--segments", type=int, default=2, help="segments per mode, alternating")
     ap.add_argument("--modes", default="before,after")
@@ -214,7 +232,7 @@ def main() -> int:
     segs = {m: [] for m in modes}
     for _ in range(args.segments):
         for m in modes:
-            segs[m].append(segment(m, envs[m], root / m, args.clients, args.rounds))
+            segs[m].append(segment(m, envs[m], root / m, args.clients, args.rounds, args.tenants))
     report = {"machine": machine(), "started": started,
               "summary": [summary(segs[m]) for m in modes], "segments": [s for m in modes for s in segs[m]]}
     for s in report["summary"]:
