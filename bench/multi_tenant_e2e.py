@@ -97,10 +97,10 @@ class PatientService(Service):
     """The harness's service with the waits a loaded machine needs, and the worker started again
     when Ray's node fails its fixed 30 s startup wait (seen at load average 40)."""
 
-    def start(self) -> "PatientService":
+    def start(self) -> PatientService:
         self.api = self._spawn("serve", "--no-worker", "--port", str(self.port))
         wait_until(self._api_up, timeout=900, what="the API", every=1)
-        for _ in range(4):
+        for _ in range(8):
             self.start_worker()
             if wait_until(lambda: self.executor() or self.worker.poll() is not None, timeout=1200,
                           what="the worker's executor", every=1) is not True:
