@@ -190,7 +190,8 @@ def segment(mode: str, env: dict, home: Path, clients: int, rounds: int, n_tenan
            "executor_rss_mib_end": round(rss[-1][1] / 2**20) if rss else None,
            "load_before": [round(x, 2) for x in load_before], "load_after": [round(x, 2) for x in os.getloadavg()],
            "errors": errors[:5], "n_errors": len(errors), "latency": lat}
-    print(json.dumps({k: v for k, v in out.items() if k != "latency"}), flush=True)
+    pcts = {f"{k}_p{q}_s": round(float(np.percentile(v, q)), 3) for k, v in lat.items() if v for q in (50, 99)}
+    print(json.dumps({**{k: v for k, v in out.items() if k != "latency"}, **pcts}), flush=True)  # lands if a later segment is cut
     return out
 
 
