@@ -12,7 +12,6 @@ Everything a caller sends (commands, paths, file contents, timeouts) runs or is 
 the sandbox; the host only builds a cell from base64/JSON literals, never from the caller's text.
 """
 
-from __future__ import annotations
 
 import asyncio
 import base64
