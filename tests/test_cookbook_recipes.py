@@ -42,12 +42,11 @@ class Cook:
     env: dict
     tmp: Path
 
-    def run(self, module: str, *args: str, log: str, extra_env: dict | None = None, steps: int = 2) -> list[dict]:
-        """Run a recipe's CLI to completion; its metrics.jsonl records."""
+    def run(self, module: str, *args: str, log: str, extra_env: dict | None = None, log_arg: bool = True) -> list[dict]:
+        """Run a recipe's CLI to completion (with log_path= under tmp unless `log_arg` is False);
+        its metrics.jsonl records."""
         log_path = self.tmp / "logs" / log
-        cmd = [sys.executable, "-m", module, *args]
-        if not any(a.startswith("log_path=") for a in args):
-            cmd.append(f"log_path={log_path}")
+        cmd = [sys.executable, "-m", module, *args, *([f"log_path={log_path}"] if log_arg else [])]
         r = subprocess.run(cmd, cwd=self.run_dir, env={**self.env, **(extra_env or {})}, capture_output=True,
                            text=True, timeout=1800)
         assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
@@ -158,7 +157,8 @@ def test_prompt_distillation(cook):
     (cook.run_dir / "tinker_cookbook" / "example_data" / "multilingual.txt").write_text(
         "Bonjour tout le monde.\nHello world.\n")
     out = cook.tmp / "prompt_distillation.jsonl"
-    cook.run("tinker_cookbook.recipes.prompt_distillation.create_data", f"output_file={out}", log="pd_create")
+    cook.run("tinker_cookbook.recipes.prompt_distillation.create_data", f"output_file={out}", log="pd_create",
+             log_arg=False)
     assert out.exists()  # rows only where the (random) teacher wrote "Final Answer: xx"
     data = cook.tmp / "pd_train.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": s}, {"role": "assistant", "content": l}]})
@@ -173,7 +173,7 @@ def test_prompt_distillation(cook):
 def test_multiplayer_rl(cook, game):
     """No base_url argument in these recipes: the SDK reads TINKER_BASE_URL."""
     metrics = cook.run(f"tinker_cookbook.recipes.multiplayer_rl.{game}.train", "batch_size=2", "group_size=2",
-                       "max_tokens=8", *SIZES, "lora_rank=32", log=game)
+                       "max_tokens=8", *SIZES, log=game)
     assert_kl_zero(metrics, 2)
 
 
