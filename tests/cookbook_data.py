@@ -164,7 +164,7 @@ TOOL_CALL_PAGE = 1
 
 
 def tool_caller_dir(root: Path, name: str, *, renderer_name: str = "qwen3_5_disable_thinking",
-                    max_position: int = 8192, steps: int = 300, tail: int = 192, seed: int = 0) -> Path:
+                    max_position: int = 8192, steps: int = 300, tail: int = 8192, seed: int = 0) -> Path:
     """A small chat model that answers every turn of rl_numerics_check's episode with one
     read_page call, so episodes run many turns into long contexts (a random model never makes a
     tool call and ends each episode at its first turn). Trained here, in-process, with lockstep's
@@ -202,8 +202,8 @@ def tool_caller_dir(root: Path, name: str, *, renderer_name: str = "qwen3_5_disa
                              "tool_call_id": "call"})
         messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         model_input, weights = renderer.build_supervised_example(messages, TrainOnWhat.LAST_ASSISTANT_MESSAGE)
-        # Only the tail: the call follows from the last turn's header, whatever came before, and
-        # training on whole transcripts (2-3K tokens each) cost ~30x more for the same result.
+        # Whole transcripts (2-3K tokens): a model trained on 192-token tails wrote the call there
+        # but not after the recipe's 1.9K-token first prompt (measured, docs/cookbook.md).
         tokens, weights = model_input.to_ints()[-tail:], [float(w) for w in weights][-tail:]
         return Datum.from_tokens(tokens, weights=weights[1:])
 
