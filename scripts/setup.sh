@@ -36,6 +36,12 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && { ! command -v bwrap >
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap python3 libseccomp2) >/dev/null 2>&1 \
     || echo "setup: could not install bubblewrap; the code and python_tool envs will refuse to run"
 fi
+# numpy for that python3: tinker-cookbook's code_rl grader (LiveCodeBench's testing_util) imports it
+# inside the sandbox (lockstep.sandbox.cookbook), where the venv's site-packages are hidden.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && [ -x /usr/bin/python3 ] && ! /usr/bin/python3 -c "import numpy" 2>/dev/null; then
+  (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-numpy) >/dev/null 2>&1 \
+    || echo "setup: could not install python3-numpy; code_rl's grader will fail in the sandbox"
+fi
 # Chromium and its driver, for the dashboard's browser test (tests/test_dashboard.py, selenium),
 # from Debian packages when this runs as root; nothing is downloaded at test time.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v chromedriver >/dev/null; then

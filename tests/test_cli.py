@@ -48,6 +48,7 @@ def test_cli_surface_is_frozen():
         "cancel --help/-h", "cancel --server", "cancel --api-key", "cancel --json",
         "dataset --help/-h", "dataset --name", "dataset --server", "dataset --api-key", "dataset --json",
         "sandbox --help/-h", "sandbox run --help/-h", "sandbox run --json",
+        "sandbox fusion --help/-h", "sandbox fusion --host", "sandbox fusion --port", "sandbox fusion --max-concurrency",
         *(f"sandbox run --{flag}" for flag in ("wall-s", "cpu-s", "memory-mb", "processes", "file-size-mb",
                                                "open-files", "output-kb", "tmpfs-mb")),
     }

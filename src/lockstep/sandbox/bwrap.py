@@ -36,8 +36,10 @@ SHM_MB = cgroup.SHM_MB
 """Size of the sandbox's /dev/shm (POSIX shared memory, multiprocessing's semaphores)."""
 SANDBOX_UID = 65534
 """The uid ("nobody") a program sees inside; as root its outer uid is one of the pool's (uids.py)."""
-TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
-"""The host's trees shown read-only (with the interpreter's prefix when it is elsewhere)."""
+TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/alternatives")
+"""The host's trees shown read-only (with the interpreter's prefix when it is elsewhere).
+/etc/alternatives holds only Debian's symlinks into /usr, through which shared libraries such as
+libblas.so.3 (numpy's, for tinker-cookbook's code_rl grader) resolve; the rest of /etc stays hidden."""
 NPROC_PER_USERNS = (5, 14)
 """Linux counts RLIMIT_NPROC per user namespace from 5.14 on ("Reimplement RLIMIT_NPROC on top of
 ucounts", v5.14-rc1); before, it counts every process of the outer uid on the host."""

@@ -30,6 +30,12 @@ def add_parser(sub) -> None:
         run.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=getattr(defaults, name),
                          help=f"{unit} (default {getattr(defaults, name)})")
     run.set_defaults(func=cmd_run)
+    fusion = sandbox_sub.add_parser("fusion", help="serve SandboxFusion's POST /run_code from this sandbox "
+                                    "(tinker-cookbook's code_rl: SANDBOX_URL=http://HOST:PORT/run_code)")
+    fusion.add_argument("--host", default="127.0.0.1")
+    fusion.add_argument("--port", type=int, default=8080)
+    fusion.add_argument("--max-concurrency", type=int, default=4, help="sandboxes running at once")
+    fusion.set_defaults(func=cmd_fusion)
 
 
 def cmd_run(args) -> int:
@@ -54,3 +60,18 @@ def cmd_run(args) -> int:
               f"signal={verdict.signal} stdout={verdict.stdout_bytes}B stderr={verdict.stderr_bytes}B "
               f"wall={verdict.wall_s:.3f}s cpu={verdict.cpu_s:.3f}s", file=sys.stderr)
     return 0 if verdict.ok else 1
+
+
+def cmd_fusion(args) -> int:
+    import uvicorn
+
+    from lockstep.sandbox.bwrap import check_available
+    from lockstep.sandbox.cookbook import fusion_app
+
+    try:
+        check_available()
+    except SandboxUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    uvicorn.run(fusion_app(max_concurrency=args.max_concurrency), host=args.host, port=args.port)
+    return 0
