@@ -1,0 +1,211 @@
+"""Tinker's sampling extras (topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs,
+prompt_alt_tokens_k, prompt_logprobs_last_n): each logprob is, bit for bit, what the trainer's
+forward gives for that token at that position, alone, in a packed mixed-adapter batch and with
+speculation on; ties in a top-k list come larger logprob first, then smaller token id; hostile
+widths are refused before any compute. The last test drives them through the real SDK."""
+
+import dataclasses
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from lockstep.engine.adapters import AdapterTrainer, SharedBase
+from lockstep.engine.drafters import make_drafter
+from lockstep.engine.sampler import Sampler
+from lockstep.engine.scores import top_k
+from lockstep.engine.types import Datum, EngineError, LoraSpec, SampleRequest, SamplingParams
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+def bits(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.float32).view(np.uint32)
+
+
+@pytest.fixture(scope="module")
+def base(qwen2_dir):
+    return SharedBase.from_pretrained(qwen2_dir)
+
+
+@pytest.fixture(scope="module")
+def tenants(base):
+    """Two LoRA tenants of the shared base (one adapts lm_head), their B drawn so each moves logprobs."""
+    out = []
+    for i, (rank, targets) in enumerate([(4, ALL), (2, ("q_proj", "down_proj"))]):
+        t = AdapterTrainer(base, LoraSpec(rank=rank, alpha=8.0, target_modules=targets, seed=i), name=f"x{i}")
+        g = torch.Generator().manual_seed(50 + i)
+        with torch.no_grad():
+            for name, p in t.params.items():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        out.append(t)
+    return out
+
+
+def forward_logprobs(model, tokens, targets_TK) -> np.ndarray:
+    """The trainer's forward (cross_entropy `forward`) over model_input = tokens, one datum per
+    column of targets_TK (T, K): column k's logprob of targets_TK[t, k] at position t, float32."""
+    data = [Datum(tuple(tokens), {"target_tokens": np.asarray(col, np.int64), "weights": np.ones(len(col), np.float32)})
+            for col in np.asarray(targets_TK).T]
+    out = model.forward(data, "cross_entropy")
+    return np.stack([o["logprobs"] for o in out.loss_fn_outputs], axis=1).astype(np.float32)
+
+
+def extras_request(rng: random.Random, vocab: int, adapter=None, **kw) -> SampleRequest:
+    prompt = tuple(rng.randrange(4, 200) for _ in range(rng.choice((5, 9, 17))))
+    target = np.full((len(prompt) - 1, 3), -1, np.int64)
+    for t in range(1, len(prompt) - 1, 2):  # every other row; row 0 unnamed: scoring starts at row 1
+        named = rng.randint(1, 3)
+        target[t, :named] = [rng.randrange(vocab) for _ in range(named)]
+    params = SamplingParams(max_tokens=6, seed=rng.randrange(1 << 20), stop=(), temperature=rng.choice((1.0, 0.7)))
+    fields = dict(prompt_logprobs=True, topk_prompt_logprobs=rng.choice((1, 4)), topk_sample_logprobs=rng.choice((2, 5)),
+                  target_prompt_ids=target, prompt_alt_tokens_k=3, num_samples=2, adapter=adapter)
+    return SampleRequest(prompt, params, **{**fields, **kw})
+
+
+def check_against_trainer(trainer, request: SampleRequest, result) -> None:
+    """Every extra of `result` equals the trainer's forward for that token at that position."""
+    prompt = request.prompt
+    L = len(prompt)
+    top = result.topk_prompt_logprobs
+    assert top.token_ids.shape == (L, request.topk_prompt_logprobs)
+    assert (top.token_ids[0] == -1).all() and np.isnan(top.logprobs[0]).all()  # position 0: no context
+    assert bits(forward_logprobs(trainer, prompt[:-1], top.token_ids[1:])).tolist() == bits(top.logprobs[1:]).tolist()
+    assert bits(forward_logprobs(trainer, prompt[:-1], np.asarray(prompt[1:])[:, None]))[:, 0].tolist() == \
+        bits(result.prompt_logprobs[1:]).tolist()
+    ids = request.target_prompt_ids
+    want = forward_logprobs(trainer, prompt[:-1], np.where(ids >= 0, ids, 0))
+    assert bits(np.where(ids >= 0, want, 0.0)).tolist() == bits(result.target_prompt_logprobs).tolist()
+    alt = result.prompt_alt_tokens
+    assert alt.token_ids.shape == (L - 1, request.prompt_alt_tokens_k)
+    assert bits(forward_logprobs(trainer, prompt[:-1], alt.token_ids)).tolist() == bits(alt.logprobs).tolist()
+    for s in result.sequences:  # sampled token j is predicted at position L - 1 + j of prompt + tokens
+        k = request.topk_sample_logprobs
+        assert s.topk_logprobs.token_ids.shape == (len(s.tokens), k)
+        targets = np.concatenate([np.zeros((L - 1, k), np.int64), s.topk_logprobs.token_ids])
+        lp = forward_logprobs(trainer, (prompt + s.tokens)[:-1], targets)
+        assert bits(lp[L - 1 :]).tolist() == bits(s.topk_logprobs.logprobs).tolist()
+
+
+def reference_top(trainer_model, prompt, k) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k by a full stable sort of the model's log-softmax rows (larger first, then smaller id)."""
+    with torch.no_grad():
+        lp = trainer_model.log_softmax(trainer_model.logits(trainer_model.hidden_states(torch.tensor([prompt[:-1]]))))[0]
+    order = torch.sort(lp, dim=-1, descending=True, stable=True).indices[:, :k]
+    return order.numpy(), lp.gather(1, order).numpy()
+
+
+def test_top_k_orders_ties_by_smaller_token_id_and_its_prefixes_are_the_smaller_top_ks():
+    row = torch.tensor([[-1.0, 0.0, -2.0, 0.0, -1.0, -1.0, 0.0]])
+    ids, lps = top_k(row, 5)
+    assert ids.tolist() == [[1, 3, 6, 0, 4]] and lps.tolist() == [[0.0, 0.0, 0.0, -1.0, -1.0]]
+    for k in range(1, 8):  # a top-k's first j entries are the top-j
+        assert top_k(row, k)[0].tolist()[0] == [1, 3, 6, 0, 4, 5, 2][:k]
+    nan = torch.tensor([[math.nan, -1.0, -3.0]])  # a NaN row still gives k ids, the NaN last
+    assert top_k(nan, 3)[0].tolist() == [[1, 2, 0]]
+
+
+def test_prompt_and_sample_extras_equal_the_trainers_forward_bitwise(base, tenants):
+    """On the bare base and on a LoRA tenant (lm_head adapted): top-k prompt lists (and that they
+    are the top-k of the full distribution), target ids' logprobs, alternatives and each sampled
+    token's top-k equal the trainer's forward; the plain sample is unchanged by asking for them."""
+    rng = random.Random(0)
+    sampler = Sampler(base.model, base.tokenizer)
+    for trainer in tenants[:1]:
+        req = extras_request(rng, base.model.config.vocab_size, adapter=trainer.snapshot())
+        [res] = sampler.sample([req])
+        check_against_trainer(trainer, req, res)
+        plain = dataclasses.replace(req, prompt_logprobs=False, topk_prompt_logprobs=0, topk_sample_logprobs=0,
+                                    target_prompt_ids=None, prompt_alt_tokens_k=0)
+        assert sampler.sample([plain])[0].sequences == tuple(dataclasses.replace(s, topk_logprobs=None)
+                                                              for s in res.sequences)
+    bare_req = extras_request(rng, base.model.config.vocab_size, topk_prompt_logprobs=6)
+    [bare] = sampler.sample([bare_req])
+    ids, lps = reference_top(base.model, bare_req.prompt, 6)
+    assert (bare.topk_prompt_logprobs.token_ids[1:] == ids).all()
+    assert bits(bare.topk_prompt_logprobs.logprobs[1:]).tolist() == bits(lps).tolist()
+
+
+@pytest.mark.parametrize("drafter", ["off", "suffix"])
+def test_a_packed_mixed_adapter_batch_gives_each_request_its_alone_extras(base, tenants, drafter):
+    """Tenants' and bare-base requests with different extras (and widths) in one call, shuffled,
+    speculation off or on: each request's extras and samples are those it gets alone, and still
+    the trainer's forward (checked on one tenant's request)."""
+    rng = random.Random(1)
+    vocab = base.model.config.vocab_size
+    owners = [t.snapshot() for t in tenants] + [None]
+    reqs = [extras_request(rng, vocab, adapter=a) for a in owners for _ in range(2)]
+    reqs.append(SampleRequest((7, 8, 9), SamplingParams(max_tokens=5, seed=3, stop=())))  # asks for nothing
+    drafter_obj = make_drafter(drafter, target=base.model, tokenizer=base.tokenizer) if drafter != "off" else None
+    sampler = Sampler(base.model, base.tokenizer, drafter=drafter_obj)
+    alone = [sampler.sample([r])[0] for r in reqs]
+    order = list(range(len(reqs)))
+    rng.shuffle(order)
+    packed = sampler.sample([reqs[i] for i in order])
+    for i, res in zip(order, packed):
+        a = alone[i]
+        assert res.sequences == a.sequences, i  # tokens, logprobs and topk_logprobs, bitwise
+        assert bits(res.prompt_logprobs or ()).tolist() == bits(a.prompt_logprobs or ()).tolist()
+        assert res.topk_prompt_logprobs == a.topk_prompt_logprobs and res.prompt_alt_tokens == a.prompt_alt_tokens
+        if a.target_prompt_logprobs is not None:
+            assert bits(res.target_prompt_logprobs).tolist() == bits(a.target_prompt_logprobs).tolist()
+    assert packed[order.index(len(reqs) - 1)].topk_prompt_logprobs is None
+    if drafter != "off":
+        assert sampler.spec_stats.accepted > 0  # drafted tokens were verified, their top-k from the verify forward
+    check_against_trainer(tenants[0], reqs[0], packed[order.index(0)])
+
+
+def test_last_n_scores_only_the_prompts_suffix(base):
+    sampler = Sampler(base.model, base.tokenizer)
+    prompt = tuple(range(30, 50))
+    full = SampleRequest(prompt, SamplingParams(max_tokens=1, seed=0), prompt_logprobs=True, topk_prompt_logprobs=3)
+    tail = dataclasses.replace(full, prompt_logprobs_last_n=4)
+    [a], [b] = sampler.sample([full]), sampler.sample([tail])
+    assert np.isnan(b.prompt_logprobs[:-4]).all() and bits(b.prompt_logprobs[-4:]).tolist() == \
+        bits(a.prompt_logprobs[-4:]).tolist()
+    assert (b.topk_prompt_logprobs.token_ids[:-4] == -1).all()
+    assert (b.topk_prompt_logprobs.token_ids[-4:] == a.topk_prompt_logprobs.token_ids[-4:]).all()
+    assert bits(b.topk_prompt_logprobs.logprobs[-4:]).tolist() == bits(a.topk_prompt_logprobs.logprobs[-4:]).tolist()
+
+
+def test_alternatives_follow_the_seed_and_temperature(base):
+    sampler = Sampler(base.model, base.tokenizer)
+    prompt = tuple(range(60, 72))
+
+    def alt(seed, temperature, k=8):
+        r = SampleRequest(prompt, SamplingParams(max_tokens=1, seed=seed, temperature=temperature),
+                          prompt_alt_tokens_k=k, topk_prompt_logprobs=1, prompt_logprobs=True)
+        return sampler.sample([r])[0]
+
+    a, b, c = alt(1, 1.0), alt(1, 1.0), alt(2, 1.0)
+    assert a.prompt_alt_tokens == b.prompt_alt_tokens and a.prompt_alt_tokens != c.prompt_alt_tokens
+    assert len(set(a.prompt_alt_tokens.token_ids.ravel().tolist())) > 11  # draws, not one token per row
+    greedy = alt(1, 0.0)  # temperature 0: every draw is the argmax, the top-1
+    assert (greedy.prompt_alt_tokens.token_ids == greedy.topk_prompt_logprobs.token_ids[1:, :1]).all()
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"topk_prompt_logprobs": -1}, "integer >= 0"),
+    ({"prompt_logprobs_last_n": 2}, "set prompt_logprobs"),
+    ({"prompt_logprobs": True, "prompt_logprobs_last_n": 4}, r"\[1, 3\]"),
+    ({"target_prompt_ids": np.full((3, 2), -1, np.int64)}, "names no token id"),
+    ({"target_prompt_ids": np.zeros((4, 2), np.int64)}, "3 rows"),
+    ({"target_prompt_ids": np.zeros((3, 2), np.int32)}, "int64"),
+])
+def test_bad_extras_are_refused_when_the_request_is_built(kw, match):
+    with pytest.raises(EngineError, match=match):
+        SampleRequest((1, 2, 3, 4), SamplingParams(max_tokens=1), **kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"topk_prompt_logprobs": 10**6}, "exceeds the vocabulary"),
+    ({"topk_sample_logprobs": 10**6}, "exceeds the vocabulary"),
+    ({"target_prompt_ids": np.array([[5], [10**6], [-1]], np.int64)}, "outside the vocabulary"),
+])
+def test_the_sampler_refuses_widths_and_ids_beyond_the_vocabulary_before_any_compute(base, kw, match):
+    sampler = Sampler(base.model, base.tokenizer)
+    with pytest.raises(EngineError, match=match):
+        sampler.check([SampleRequest((1, 2, 3, 4), SamplingParams(max_tokens=1), **kw)])
