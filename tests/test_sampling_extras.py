@@ -209,3 +209,71 @@ def test_the_sampler_refuses_widths_and_ids_beyond_the_vocabulary_before_any_com
     sampler = Sampler(base.model, base.tokenizer)
     with pytest.raises(EngineError, match=match):
         sampler.check([SampleRequest((1, 2, 3, 4), SamplingParams(max_tokens=1), **kw)])
+
+
+# -- through the real SDK ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sdk_server(tmp_path_factory):
+    from test_service_sdk import make_server
+
+    srv = make_server(tmp_path_factory.mktemp("extras"))
+    srv.keys = {"alice": srv.key("alice")}
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_the_sdk_gets_every_extra_equal_to_the_training_clients_forward(sdk_server):
+    """SDK 0.38 `sample` with all five extras (a sparse target tensor, last_n), against a LoRA
+    client's sampler after a training step: each value equals its `forward` logprob bit for bit;
+    a width beyond the vocabulary is a 400 naming the bound."""
+    import tinker
+    from tinker import types
+
+    sc = tinker.ServiceClient(base_url=sdk_server.url, api_key=sdk_server.keys["alice"])
+    tc = sc.create_lora_training_client(base_model="lockstep/tiny", rank=4, seed=0).result()
+    prompt = [(7 * i + 3) % 200 + 4 for i in range(12)]
+    L = len(prompt)
+    datum = types.Datum(model_input=types.ModelInput.from_ints(prompt[:-1]),
+                        loss_fn_inputs={"target_tokens": np.array(prompt[1:], np.int64),
+                                        "weights": np.ones(L - 1, np.float32)})
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()  # the adapter now moves logprobs
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    ids = torch.full((L - 1, 3), -1, dtype=torch.int64)
+    ids[4, :2], ids[9, :3] = torch.tensor([5, 17]), torch.tensor([250, 6, 40])
+    out = sampler.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=5, seed=2, temperature=0.8),
+                         include_prompt_logprobs=True, topk_prompt_logprobs=4, topk_sample_logprobs=3,
+                         target_prompt_logprobs=types.TensorData.from_torch_sparse(ids, pad_value=-1),
+                         prompt_alt_tokens_k=2, prompt_logprobs_last_n=L - 2).result()
+
+    top = out.topk_prompt_logprobs[2:]
+    top_ids = np.array([[t for t, _ in row] for row in top])
+    alt_ids = out.prompt_alt_tokens.tokens.to_numpy()
+    seq_top = [np.array([[t for t, _ in row] for row in seq.topk_logprobs]) for seq in out.sequences]
+    columns = [(prompt[:-1], c) for c in np.concatenate([np.zeros((1, 4), np.int64), top_ids]).T]  # top-k
+    columns += [(prompt[:-1], np.array(prompt[1:]))]  # the prompt's own tokens
+    columns += [(prompt[:-1], c) for c in ids.clamp(min=0).numpy().T]  # target ids
+    columns += [(prompt[:-1], c) for c in alt_ids.T]  # alternatives
+    for seq, rows in zip(out.sequences, seq_top):  # each sampled token's top-k
+        columns += [((prompt + seq.tokens)[:-1], c) for c in np.concatenate([np.zeros((L - 1, 3), np.int64), rows]).T]
+    data = [types.Datum(model_input=types.ModelInput.from_ints(list(tokens)),
+                        loss_fn_inputs={"target_tokens": np.asarray(col, np.int64),
+                                        "weights": np.ones(len(col), np.float32)}) for tokens, col in columns]
+    fwd = [o["logprobs"].to_numpy() for o in tc.forward(data, "cross_entropy").result().loss_fn_outputs]  # one call
+
+    assert out.prompt_logprobs[:2] == [None, None] and out.topk_prompt_logprobs[:2] == [None, None]  # last_n
+    assert top_ids.shape == (L - 2, 4)
+    assert bits(np.stack(fwd[:4], 1)[1:]).tolist() == bits([[lp for _, lp in row] for row in top]).tolist()
+    assert bits(fwd[4][1:]).tolist() == bits(out.prompt_logprobs[2:]).tolist()
+    assert out.target_prompt_logprobs.sparse_crow_indices is not None  # the request's sparse layout
+    got = out.target_prompt_logprobs.to_numpy()  # unlisted cells: 0.0
+    assert bits(np.where(ids.numpy() >= 0, np.stack(fwd[5:8], 1), 0.0)).tolist() == bits(got).tolist()
+    assert alt_ids.shape == (L - 1, 2)
+    assert bits(np.stack(fwd[8:10], 1)).tolist() == bits(out.prompt_alt_tokens.logprobs.to_numpy()).tolist()
+    for j, seq in enumerate(out.sequences):
+        lp = np.stack(fwd[10 + 3 * j : 13 + 3 * j], 1)[L - 1 :]
+        assert bits(lp).tolist() == bits([[x for _, x in row] for row in seq.topk_logprobs]).tolist()
+    with pytest.raises(tinker.BadRequestError, match="vocabulary"):
+        sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=1),
+                       include_prompt_logprobs=True, topk_prompt_logprobs=10**5).result()
