@@ -211,6 +211,54 @@ def test_the_sampler_refuses_widths_and_ids_beyond_the_vocabulary_before_any_com
         sampler.check([SampleRequest((1, 2, 3, 4), SamplingParams(max_tokens=1), **kw)])
 
 
+# -- the wire: hostile extras are 400s before anything is allocated ------------------------------
+def tensor(data, shape, **kw) -> dict:
+    return {"data": data, "dtype": "int64", "shape": shape, **kw}
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"topk_prompt_logprobs": 261}, "topk_prompt_logprobs=261 exceeds the model's vocabulary of 260"),
+    ({"topk_sample_logprobs": 200, "num_samples": 256, "sampling_params": {"max_tokens": 64}},
+     "topk_sample_logprobs asks for 3,276,800 logprobs"),
+    ({"prompt_alt_tokens_k": 10**6}, "prompt_alt_tokens_k asks for 3,000,000 logprobs"),
+    ({"prompt_logprobs_last_n": 2}, "set prompt_logprobs"),
+    ({"prompt_logprobs": True, "prompt_logprobs_last_n": 4}, "1 to len(prompt) - 1 = 3"),
+    ({"target_prompt_logprobs": tensor([1] * 6, [3, 2], extra_key=1)}, "must be a TensorData"),
+    ({"target_prompt_logprobs": {**tensor([1] * 6, [3, 2]), "dtype": "float32"}}, "int64 token ids"),
+    ({"target_prompt_logprobs": tensor([1] * 6, [2, 3])}, "shape [len(prompt) - 1 = 3, K >= 1]"),
+    ({"target_prompt_logprobs": tensor([1], [3, 2**40])}, "asks for 3,298,534,883,328 logprobs"),  # before allocating
+    ({"target_prompt_logprobs": tensor([1] * 5, [3, 2])}, "5 values do not fill shape [3, 2]"),
+    ({"target_prompt_logprobs": tensor([1, 2, 3, 260, 5, 6], [3, 2])}, "entry 3, 260, is not an integer in [-1, 260)"),
+    ({"target_prompt_logprobs": tensor([1, 2, 3, 4.0, 5, 6], [3, 2])}, "entry 3, 4.0"),
+    ({"target_prompt_logprobs": tensor([1, 2, 3, True, 5, 6], [3, 2])}, "entry 3, True"),
+    ({"target_prompt_logprobs": tensor([-1] * 6, [3, 2])}, "names no token id"),
+    ({"target_prompt_logprobs": tensor([5, 6], [3, 2], sparse_crow_indices=[0, 2, 2, 2])}, "go together"),
+    ({"target_prompt_logprobs": tensor([5, 6], [3, 2], sparse_crow_indices=[0, 2, 1, 2], sparse_col_indices=[0, 1])},
+     "rising row pointers"),
+    ({"target_prompt_logprobs": tensor([5, 6], [3, 2], sparse_crow_indices=[0, 2, 2, 2], sparse_col_indices=[1, 1])},
+     "listed twice"),
+    ({"target_prompt_logprobs": tensor([5, 6], [3, 2], sparse_crow_indices=[0, 2, 2, 2], sparse_col_indices=[0, 2])},
+     "sparse_col_indices: entry 1, 2, is not an integer in [0, 2)"),
+])
+def test_hostile_extras_are_refused_naming_the_field_and_bound(extra, match):
+    from lockstep.service import sample_extras
+    from lockstep.service.types import ServiceError
+
+    body = {"num_samples": 1, "sampling_params": {"max_tokens": 4}, **extra}
+    with pytest.raises(ServiceError) as e:
+        sample_extras.check(body, 4, 260)
+    assert match in str(e.value)
+
+
+def test_a_sparse_target_keeps_its_layout_and_unlisted_cells_name_nothing():
+    from lockstep.service import sample_extras
+
+    t = sample_extras.check({"target_prompt_logprobs": tensor([5, 9, 7], [3, 2], sparse_crow_indices=[0, 2, 2, 3],
+                                                               sparse_col_indices=[1, 0, 1])}, 4, 260)
+    assert t.ids.tolist() == [[9, 5], [-1, -1], [-1, 7]]
+    assert [x.tolist() for x in t.csr] == [[0, 2, 2, 3], [1, 0, 1]]
+
+
 # -- through the real SDK ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def sdk_server(tmp_path_factory):
