@@ -266,9 +266,11 @@ def sdk_server(tmp_path_factory):
 
     srv = make_server(tmp_path_factory.mktemp("extras"))
     srv.keys = {"alice": srv.key("alice")}
-    srv.start()
-    yield srv
-    srv.stop()
+    try:  # a server that never came up is stopped too: its processes must not outlive the test
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
 
 
 def test_the_sdk_gets_every_extra_equal_to_the_training_clients_forward(sdk_server):
