@@ -61,8 +61,9 @@ def extras_request(rng: random.Random, vocab: int, adapter=None, **kw) -> Sample
         named = rng.randint(1, 3)
         target[t, :named] = [rng.randrange(vocab) for _ in range(named)]
     params = SamplingParams(max_tokens=6, seed=rng.randrange(1 << 20), stop=(), temperature=rng.choice((1.0, 0.7)))
-    fields = dict(prompt_logprobs=True, topk_prompt_logprobs=rng.choice((1, 4)), topk_sample_logprobs=rng.choice((2, 5)),
-                  target_prompt_ids=target, prompt_alt_tokens_k=3, num_samples=2, adapter=adapter)
+    fields = {"prompt_logprobs": True, "topk_prompt_logprobs": rng.choice((1, 4)),
+              "topk_sample_logprobs": rng.choice((2, 5)), "target_prompt_ids": target, "prompt_alt_tokens_k": 3,
+              "num_samples": 2, "adapter": adapter}
     return SampleRequest(prompt, params, **{**fields, **kw})
 
 

@@ -33,7 +33,7 @@ def top_k(logp_RV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     logprob first, equal ones by smaller token id. A total order, so the first j of a row's top-k
     are its top-j whatever k was (a batch computes its widest k once). torch.topk leaves the order
     of ties unspecified, so it only finds each row's k-th value; the selection is done here."""
-    R, V = logp_RV.shape
+    R = logp_RV.shape[0]
     if R == 0 or k == 0:
         return torch.zeros(R, k, dtype=torch.long), torch.zeros(R, k, dtype=logp_RV.dtype)
     key = torch.where(torch.isnan(logp_RV), float("-inf"), logp_RV)  # a NaN row still yields k ids
