@@ -106,7 +106,9 @@ SETTLED = {"wrong_dtype", "wrong_shape", "out_of_vocab", "path_name", "stable_re
     ("bad_config_key", 400, "does not take config keys"),
     ("other_tenant", 404, "unknown model_id"),
     ("bad_sample_tokens", 400, "outside the vocabulary"),
-    ("unsupported_topk", 400, "topk_prompt_logprobs is not supported"),
+    ("topk_over_vocab", 400, "topk_prompt_logprobs=100000 exceeds the model's vocabulary"),
+    ("alt_over_cells", 400, "prompt_alt_tokens_k asks for 2,000,000 logprobs"),
+    ("target_wrong_rows", 400, "must have shape [len(prompt) - 1 = 1, K >= 1]"),
 ])
 def test_bad_input_is_a_clear_4xx_and_queues_nothing(api, case, status, match):
     client, sessions, key, other = api
@@ -143,9 +145,10 @@ def test_bad_input_is_a_clear_4xx_and_queues_nothing(api, case, status, match):
                                                            "base_model": "lockstep/tiny"}).json()["sampling_session_id"]
         before = counts(sessions)
         body = {"sampling_session_id": ss, "num_samples": 1, "prompt": {"chunks": [{"type": "encoded_text",
-                "tokens": [5, 6] if case == "unsupported_topk" else [5, 10**6]}]}, "sampling_params": {"max_tokens": 4}}
-        if case == "unsupported_topk":
-            body["topk_prompt_logprobs"] = 3
+                "tokens": [5, 10**6] if case == "bad_sample_tokens" else [5, 6]}]}, "sampling_params": {"max_tokens": 4}}
+        body.update({"topk_over_vocab": {"topk_prompt_logprobs": 10**5}, "alt_over_cells": {"prompt_alt_tokens_k": 2 * 10**6},
+                     "target_wrong_rows": {"target_prompt_logprobs": {"data": [5, 6], "dtype": "int64", "shape": [2, 1]}},
+                     }.get(case, {}))
         r = post(client, "asample", key, body)
     assert r.status_code == status, r.text
     assert match in r.json()["error"] and r.json()["category"] == "user"

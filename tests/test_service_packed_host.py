@@ -148,9 +148,15 @@ def test_a_hostile_member_fails_alone_inside_the_packed_call(tmp_path, builtin_d
 def sample_body(i: int, **extra) -> dict:
     rng = np.random.default_rng(100 + i)
     prompt = [int(t) for t in rng.integers(4, 200, 4 + i % 4)]
-    return {"prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]}, "num_samples": 1 + i % 3,
+    body = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]}, "num_samples": 1 + i % 3,
             "prompt_logprobs": bool(i % 2),
             "sampling_params": {"max_tokens": 4 + i % 5, "temperature": 1.0, "seed": 1000 + i, **extra}}
+    if i % 2:  # every other member asks for the sampling extras too, each its own widths
+        body.update(topk_prompt_logprobs=1 + i % 3, topk_sample_logprobs=2 + i % 2, prompt_alt_tokens_k=2,
+                    prompt_logprobs_last_n=2, target_prompt_logprobs={
+                        "data": [5 + r if r % 2 else -1 for r in range(len(prompt) - 1)], "dtype": "int64",
+                        "shape": [len(prompt) - 1, 1]})
+    return body
 
 
 def open_sessions(host, builtin_dir, models: dict) -> None:

@@ -364,7 +364,7 @@ class InvariantLM:
             return None
         key = tuple((k, id(a), id(b), s) for k, (a, b, s) in parts.items())
         if self._peft_adapter is None or self._peft_adapter[0] != key:
-            (a0, _, s0), rank = next(iter(parts.values())), next(iter(parts.values()))[0].shape[0]
+            (_, _, s0), rank = next(iter(parts.values())), next(iter(parts.values()))[0].shape[0]
             spec = LoraSpec(rank=rank, alpha=float(s0) * rank, target_modules=tuple(sorted({t for _, t in parts})))
             factors = {k: LoraFactors(a, b, float(s)) for k, (a, b, s) in parts.items()}
             self._peft_adapter = (key, AdapterWeights("peft", 0, spec, factors))

@@ -23,8 +23,10 @@ import torch
 
 from lockstep.engine import speculative as spec
 from lockstep.engine.model import InvariantLM, KVCache
-from lockstep.engine.sampling import RowParams, choose, row_seed
-from lockstep.engine.types import AdapterAssignment, EngineError, SampledSequence, SampleRequest, SampleResult
+from lockstep.engine.sampling import RowParams, choose_scored, row_seed
+from lockstep.engine.scores import PromptScores, score_prompt, top_k
+from lockstep.engine.types import (AdapterAssignment, EngineError, SampledSequence, SampleRequest, SampleResult,
+                                   TokenLogprobs)
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +100,16 @@ class _Tape:
         self.versions = torch.zeros(S, steps, dtype=torch.long)
         self.n_out = torch.zeros(S, dtype=torch.long)
         self.stopped = torch.zeros(S, dtype=torch.bool)
+        widths = [requests[i].topk_sample_logprobs for i in owner]
+        self.top = _TopTape(widths, self.max_new.tolist()) if any(widths) else None
 
-    def record(self, ids: torch.Tensor, tokens: torch.Tensor, lps: torch.Tensor, version: int) -> torch.Tensor:
-        """Append one token to each of the samples `ids`; returns which of them have now ended."""
+    def record(self, ids: torch.Tensor, tokens: torch.Tensor, lps: torch.Tensor, version: int,
+               model_logp: torch.Tensor) -> torch.Tensor:
+        """Append one token to each of the samples `ids` (model_logp: the model's log-softmax row
+        each was drawn from); returns which of them have now ended."""
         at = self.n_out[ids]
+        if self.top is not None:
+            self.top.record(ids, at, model_logp)
         self.tokens[ids, at] = tokens
         self.logprobs[ids, at] = lps
         self.versions[ids, at] = version
@@ -113,9 +121,10 @@ class _Tape:
         return stopped | (at + 1 >= self.max_new[ids])
 
     def record_runs(self, ids: torch.Tensor, tokens: torch.Tensor, lps: torch.Tensor, counts: torch.Tensor,
-                    version: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    version: int, model_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append tokens[r, :counts[r]] to sample ids[r], each run cut after its first stop token
-        (stop ids only: no stop strings); returns (tokens appended, which rows have now ended)."""
+        (stop ids only: no stop strings); returns (tokens appended, which rows have now ended).
+        model_logp (R, k, V): the log-softmax row each token was drawn from."""
         k = tokens.shape[1]
         within = torch.arange(k) < counts.unsqueeze(1)
         stop = (self.stop_ids[ids].unsqueeze(1) == tokens.unsqueeze(2)).any(2) & within
@@ -123,6 +132,8 @@ class _Tape:
         keep = torch.arange(k) < counts.unsqueeze(1)
         r, c = keep.nonzero(as_tuple=True)
         at = self.n_out[ids][r] + c
+        if self.top is not None:
+            self.top.record(ids[r], at, model_logp[r, c])
         self.tokens[ids[r], at] = tokens[r, c]
         self.logprobs[ids[r], at] = lps[r, c]
         self.versions[ids[r], at] = version
@@ -141,7 +152,45 @@ class _Tape:
             logprobs=[self.logprobs[j, :n].tolist() for j, n in enumerate(lengths)],
             versions=[self.versions[j, :n].tolist() for j, n in enumerate(lengths)],
             reason=["stop" if s else "length" for s in self.stopped.tolist()],
+            top=[self.top.of(j, n) if self.top is not None else None for j, n in enumerate(lengths)],
         )
+
+
+class _TopTape:
+    """The top-k of each sampled token, for the samples whose request asked (topk_sample_logprobs):
+    one flat buffer holding sample j's (max_new_j, k_j) block at its own offset, so the memory is
+    what each request asked for, never the batch's widest k times its longest completion."""
+
+    def __init__(self, widths: list[int], max_new: list[int]):
+        self.k = torch.tensor(widths, dtype=torch.long)
+        sizes = torch.tensor([w * m for w, m in zip(widths, max_new)], dtype=torch.long)
+        self.offset = torch.cumsum(sizes, 0) - sizes
+        total = int(sizes.sum())
+        self.ids = torch.full((total,), -1, dtype=torch.long)
+        self.lps = torch.full((total,), math.nan)
+
+    def record(self, ids: torch.Tensor, at: torch.Tensor, model_logp: torch.Tensor) -> None:
+        """Sample ids[r]'s token number at[r] was drawn from model_logp[r] (the model's log-softmax)."""
+        k = self.k[ids]
+        sel = (k > 0).nonzero().squeeze(1)
+        if sel.numel() == 0:
+            return
+        k = k[sel]
+        width = int(k.max())
+        top_ids, top_lps = top_k(model_logp[sel.to(model_logp.device)], width)  # each row's first k_j: its own top-k_j
+        col = torch.arange(width)
+        valid = col < k.unsqueeze(1)
+        flat = self.offset[ids[sel]].unsqueeze(1) + at[sel].unsqueeze(1) * k.unsqueeze(1) + col
+        self.ids[flat[valid]] = top_ids.cpu()[valid]
+        self.lps[flat[valid]] = top_lps.float().cpu()[valid]
+
+    def of(self, j: int, n: int) -> TokenLogprobs | None:
+        k = int(self.k[j])
+        if k == 0:
+            return None
+        start = int(self.offset[j])
+        return TokenLogprobs(self.ids[start : start + n * k].view(n, k).numpy(),
+                             self.lps[start : start + n * k].view(n, k).numpy())
 
 
 @dataclass
@@ -152,6 +201,7 @@ class _Out:
     logprobs: list[list[float]]
     versions: list[list[int]]
     reason: list[str]
+    top: list[TokenLogprobs | None]
 
 
 class Sampler:
@@ -206,25 +256,35 @@ class Sampler:
         for i, r in enumerate(requests):
             check_tokens(r.prompt, self.vocab_size, f"request {i} prompt")
             self._check_stops(r, i)
+            self._check_extras(r, i)
             if r.adapter is not None:
                 self.model.check_adapter(r.adapter, f"request {i} adapter")
 
     def _sample(self, requests, between_steps) -> list[SampleResult]:
         lora = _RowAdapters.of(requests)
-        first_logits, prompt_lps, cache = self._prefill(requests, lora)
+        first_logits, scores, cache = self._prefill(requests, lora)
         owner = [i for i, r in enumerate(requests) for _ in range(r.num_samples)]
         rows = self._init_rows(requests, owner, cache, lora)
         logits = first_logits.index_select(0, torch.tensor(owner))
         out = self._decode(requests, owner, rows, logits, between_steps)
-        return self._results(requests, owner, out, prompt_lps)
+        return self._results(requests, owner, out, scores)
 
     # -- phases ------------------------------------------------------------------------------
     def _check_stops(self, r: SampleRequest, i: int) -> None:
         ids = [s for s in (r.params.stop or ()) if isinstance(s, int)]
         check_tokens(ids, self.vocab_size, f"request {i} stop")
 
+    def _check_extras(self, r: SampleRequest, i: int) -> None:
+        for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+            if getattr(r, name) > self.vocab_size:
+                raise EngineError(f"request {i} {name}={getattr(r, name)} exceeds the vocabulary ({self.vocab_size})")
+        if r.target_prompt_ids is not None and int(r.target_prompt_ids.max()) >= self.vocab_size:
+            raise EngineError(f"request {i} target_prompt_ids holds token ids outside the vocabulary "
+                              f"[0, {self.vocab_size}) (-1 means none)")
+
     def _prefill(self, requests, lora: _RowAdapters | None) -> tuple[torch.Tensor, list, KVCache]:
-        """Run each prompt once; return last-position logits (P, V), prompt logprobs, cache."""
+        """Run each prompt once; return last-position logits (P, V), each request's PromptScores
+        (engine/scores.py: read from this forward's rows), cache."""
         P = len(requests)
         lens = [len(r.prompt) for r in requests]
         T = max(lens)
@@ -237,16 +297,12 @@ class Sampler:
         hidden = self._hidden(tokens, torch.arange(T).expand(P, T), cache, assignment)
         last = hidden[torch.arange(P), torch.tensor(lens) - 1]
         logits = self.model.logits(last, assignment)  # each row's lm_head adapter too: the trainer's logits
-        prompt_lps: list = [None] * P
-        want = [i for i, r in enumerate(requests) if r.prompt_logprobs]
-        if want and T > 1:
-            sub = lora.select(torch.tensor(want)).assignment() if lora else None
-            lp = self.model.logprobs_of(hidden[want, :-1], tokens[want, 1:], sub)
-            for j, i in enumerate(want):
-                prompt_lps[i] = (math.nan, *lp[j, : lens[i] - 1].tolist())
-        for i in want:
-            prompt_lps[i] = prompt_lps[i] or (math.nan,)
-        return logits, prompt_lps, cache
+        scores = [PromptScores()] * P
+        for i, r in enumerate(requests):  # one request at a time: its scores hold a few of its rows x V at once
+            if r.scores_prompt:
+                sub = lora.select(torch.tensor([i])).assignment() if lora else None
+                scores[i] = score_prompt(self.model, hidden[i : i + 1, : lens[i]], r, sub)
+        return logits, scores, cache
 
     def _init_rows(self, requests, owner, cache, lora: _RowAdapters | None) -> _Rows:
         temps, topk, topp, seeds, counters = [], [], [], [], {}
@@ -295,9 +351,9 @@ class Sampler:
         alive = torch.ones(len(owner), dtype=torch.bool)
         while True:
             # Every live row draws its next token from `logits` at its own token index.
-            tokens, lps = choose(logits, rows.params, tape.n_out[rows.ids], self.model.ops)
+            tokens, lps, model_logp = choose_scored(logits, rows.params, tape.n_out[rows.ids], self.model.ops)
             ids = rows.ids[alive]
-            ended = tape.record(ids, tokens[alive], lps[alive], self.policy_version)
+            ended = tape.record(ids, tokens[alive], lps[alive], self.policy_version, model_logp[alive])
             if link is not None:
                 link.feed(ids.tolist(), tokens[alive].unsqueeze(1).tolist())
             alive[alive.clone()] = ~ended
@@ -392,15 +448,16 @@ class Sampler:
         all_logits = self.model.logits(self._hidden(feed, positions, rows.cache, adapters), adapters)  # (R, k+1, V)
         steps = tape.n_out[rows.ids].unsqueeze(1) + torch.arange(k)
         picks = rows.params.select(torch.arange(R).repeat_interleave(k))
-        samples, lps = choose(all_logits[:, :k].reshape(R * k, -1), picks, steps.reshape(-1), self.model.ops)
-        samples, lps = samples.view(R, k), lps.view(R, k)
+        samples, lps, model_logp = choose_scored(all_logits[:, :k].reshape(R * k, -1), picks, steps.reshape(-1),
+                                                 self.model.ops)
+        samples, lps, model_logp = samples.view(R, k), lps.view(R, k), model_logp.view(R, k, -1)
         was_alive = alive.clone()
         agree = (samples == drafts) & (torch.arange(k) < lengths.unsqueeze(1)) & alive.unsqueeze(1)
         run = agree.long().cumprod(dim=1).sum(dim=1)  # each row's run of confirmed drafts
         if tape.any_str:  # stop strings need the decoded text after each token
-            accepted = self._emit_by_column(rows, alive, drafts, lps, run, tape, link)
+            accepted = self._emit_by_column(rows, alive, drafts, lps, model_logp, run, tape, link)
         else:
-            accepted, ended = tape.record_runs(rows.ids, drafts, lps, run, self.policy_version)
+            accepted, ended = tape.record_runs(rows.ids, drafts, lps, run, self.policy_version, model_logp)
             alive[ended] = False
             took = (accepted > 0).nonzero().squeeze(1).tolist()
             link.feed(rows.ids[took].tolist(), [drafts[r, : int(accepted[r])].tolist() for r in took])
@@ -417,14 +474,14 @@ class Sampler:
         st.verify_seconds += time.perf_counter() - started
         return all_logits[torch.arange(R), accepted]
 
-    def _emit_by_column(self, rows: _Rows, alive, drafts, lps, run, tape: _Tape, link) -> torch.Tensor:
+    def _emit_by_column(self, rows: _Rows, alive, drafts, lps, model_logp, run, tape: _Tape, link) -> torch.Tensor:
         """Emit each row's confirmed drafts one column at a time (a stop string ends a run)."""
         accepted = torch.zeros_like(run)
         for i in range(int(run.max()) if run.numel() else 0):
             at = ((run > i) & alive).nonzero().squeeze(1)
             if at.numel() == 0:
                 break
-            ended = tape.record(rows.ids[at], drafts[at, i], lps[at, i], self.policy_version)
+            ended = tape.record(rows.ids[at], drafts[at, i], lps[at, i], self.policy_version, model_logp[at, i])
             link.feed(rows.ids[at].tolist(), drafts[at, i].unsqueeze(1).tolist())
             accepted[at] += 1
             alive[at[ended]] = False
@@ -447,7 +504,7 @@ class Sampler:
         rows.positions = lens
         return self.model.logits(hidden[torch.arange(len(seqs)), lens - 1], rows.adapters())
 
-    def _results(self, requests, owner, out: _Out, prompt_lps) -> list[SampleResult]:
+    def _results(self, requests, owner, out: _Out, scores: list[PromptScores]) -> list[SampleResult]:
         seqs: list[list[SampledSequence]] = [[] for _ in requests]
         for j, i in enumerate(owner):
             seqs[i].append(
@@ -457,9 +514,12 @@ class Sampler:
                     stop_reason=out.reason[j],
                     policy_version=min(out.versions[j]),
                     token_versions=tuple(out.versions[j]),
+                    topk_logprobs=out.top[j],
                 )
             )
-        return [SampleResult(tuple(s), prompt_lps[i]) for i, s in enumerate(seqs)]
+        return [SampleResult(tuple(s), sc.prompt_logprobs, topk_prompt_logprobs=sc.topk_prompt_logprobs,
+                             target_prompt_logprobs=sc.target_prompt_logprobs, prompt_alt_tokens=sc.prompt_alt_tokens)
+                for s, sc in zip(seqs, scores)]
 
     # -- stops -------------------------------------------------------------------------------
     def _stop_id_table(self, requests, owner) -> torch.Tensor:

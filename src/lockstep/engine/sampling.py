@@ -132,7 +132,15 @@ def _draw(logp: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, ops=None
 
 
 def choose(logits: torch.Tensor, p: RowParams, step: int | torch.Tensor, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; return (tokens, logprob of each under the distribution used).
+    """Pick one token per row; return (tokens, logprob of each under the distribution used)
+    (choose_scored, without the model's log-softmax rows)."""
+    return choose_scored(logits, p, step, ops)[:2]
+
+
+def choose_scored(logits: torch.Tensor, p: RowParams, step: int | torch.Tensor,
+                  ops=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pick one token per row; return (tokens, logprob of each under the distribution used, the
+    model's own log-softmax rows (R, V): the trainer's, which top-k logprobs are read from).
 
     `step` is the token index the rows draw for (their RNG counter): one int for all, or one per
     row (int64 (R,)), as a speculative verify needs. `ops`: the model's kernels (InvariantLM.ops:
@@ -152,4 +160,4 @@ def choose(logits: torch.Tensor, p: RowParams, step: int | torch.Tensor, ops=Non
     tokens = _draw(dist_logp, p.seeds, steps, ops)
     if p.any_greedy:
         tokens = torch.where(p.greedy_R, logits.argmax(-1), tokens)
-    return tokens, dist_logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens, dist_logp.gather(1, tokens.unsqueeze(1)).squeeze(1), model_logp

@@ -74,12 +74,77 @@ class SampleRequest:
     """The LoRA adapter snapshot this request samples with, on a shared base (engine/adapters.py);
     None: the bare base. Requests with different adapters share one batch, and each gets the
     tokens and logprobs it gets alone."""
+    topk_prompt_logprobs: int = 0
+    """k > 0: the k most likely next tokens and their logprobs at every prompt position
+    (SampleResult.topk_prompt_logprobs). Logprobs here and in every extra below are the model's own
+    (temperature 1, untruncated): the trainer's, bit for bit, whatever the sampling parameters."""
+    topk_sample_logprobs: int = 0
+    """k > 0: the k most likely tokens and their logprobs at every sampled position
+    (SampledSequence.topk_logprobs), from the forward that sampled it."""
+    target_prompt_ids: np.ndarray | None = field(default=None, compare=False)
+    """int64 (len(prompt) - 1, K): row i names token ids to score at prompt position i + 1, -1 for
+    none (SampleResult.target_prompt_logprobs); at least one id. Not compared by ==."""
+    prompt_alt_tokens_k: int = 0
+    """k > 0: k draws, with replacement and at the request's temperature (top-k/top-p not applied),
+    from the next-token distribution at every prompt position after the first
+    (SampleResult.prompt_alt_tokens)."""
+    prompt_logprobs_last_n: int | None = None
+    """Score only the last n prompt tokens (prompt_logprobs and topk_prompt_logprobs; earlier
+    entries are unscored); needs prompt_logprobs and 1 <= n < len(prompt)."""
 
     def __post_init__(self) -> None:
         if len(self.prompt) == 0:
             raise EngineError("prompt must hold at least one token")
         if not isinstance(self.num_samples, int) or self.num_samples < 1:
             raise EngineError(f"num_samples must be an integer >= 1, got {self.num_samples!r}")
+        for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            k = getattr(self, name)
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                raise EngineError(f"{name} must be an integer >= 0, got {k!r}")
+        n = self.prompt_logprobs_last_n
+        if n is not None:
+            if not self.prompt_logprobs:
+                raise EngineError("prompt_logprobs_last_n applies to prompt logprobs; set prompt_logprobs")
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(self.prompt) - 1:
+                raise EngineError(f"prompt_logprobs_last_n must be an integer in [1, {len(self.prompt) - 1}] "
+                                  f"(1 to len(prompt) - 1), got {n!r}")
+        if self.target_prompt_ids is not None:
+            _check_target_ids(self.target_prompt_ids, len(self.prompt))
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether anything is computed at the prompt's positions beyond its last."""
+        return bool(self.prompt_logprobs or self.topk_prompt_logprobs or self.prompt_alt_tokens_k
+                    or self.target_prompt_ids is not None)
+
+
+def _check_target_ids(ids: np.ndarray, prompt_len: int) -> None:
+    if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.ndim != 2:
+        raise EngineError("target_prompt_ids must be a 2-D int64 array (len(prompt) - 1, K)")
+    if ids.shape[0] != prompt_len - 1 or ids.shape[1] < 1:
+        raise EngineError(f"target_prompt_ids must have len(prompt) - 1 = {prompt_len - 1} rows and at least one "
+                          f"column, got shape {list(ids.shape)}")
+    if ids.size and int(ids.min()) < -1:
+        raise EngineError("target_prompt_ids holds ids below -1 (-1 means none)")
+    if not bool((ids >= 0).any()):
+        raise EngineError("target_prompt_ids names no token id (every cell is -1)")
+
+
+@dataclass(frozen=True, eq=False)
+class TokenLogprobs:
+    """Token ids and the model's logprob of each at N positions: top-k lists (larger logprob first,
+    then smaller token id) or draws. A position that was not scored holds ids -1 and logprobs NaN."""
+
+    token_ids: np.ndarray
+    """int64 (N, k)."""
+    logprobs: np.ndarray
+    """float32 (N, k)."""
+
+    def __eq__(self, other: object) -> bool:  # bit for bit (NaN rows equal)
+        return (isinstance(other, TokenLogprobs) and np.array_equal(self.token_ids, other.token_ids)
+                and np.array_equal(self.logprobs.view(np.uint32), other.logprobs.view(np.uint32)))
+
+    __hash__ = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +163,9 @@ class SampledSequence:
     measured from it)."""
     token_versions: tuple[int, ...] = ()
     """The weights version behind each token; it changes mid-sequence after a hot-swap."""
+    topk_logprobs: TokenLogprobs | None = None
+    """(len(tokens), k): the top-k at each sampled position, when the request asked
+    (SampleRequest.topk_sample_logprobs)."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +174,16 @@ class SampleResult:
 
     sequences: tuple[SampledSequence, ...]
     prompt_logprobs: tuple[float, ...] | None = None
-    """One entry per prompt token, the first NaN; None unless requested."""
+    """One entry per prompt token, the first NaN (and those before prompt_logprobs_last_n's); None
+    unless requested."""
+    topk_prompt_logprobs: TokenLogprobs | None = None
+    """(len(prompt), k): row t is the top-k at prompt position t (row 0, and rows before
+    prompt_logprobs_last_n's, unscored); None unless requested."""
+    target_prompt_logprobs: np.ndarray | None = field(default=None, compare=False)
+    """float32, the shape of SampleRequest.target_prompt_ids: the logprob of each named id, 0.0 where
+    it was -1; None unless requested. Not compared by ==."""
+    prompt_alt_tokens: TokenLogprobs | None = None
+    """(len(prompt) - 1, k): row i holds the draws at prompt position i + 1; None unless requested."""
 
 
 @dataclass(frozen=True)

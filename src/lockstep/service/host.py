@@ -334,7 +334,7 @@ class EngineHost(PackedBatches):
         """What a member runs with, checked against the model it runs on (the stored payload is
         trusted no more than the API's input)."""
         from lockstep.config.types import LOSS_INPUTS
-        from lockstep.service import wire
+        from lockstep.service import sample_extras, wire
 
         if kind == "sample":
             session = self.sessions.get(member.key)
@@ -342,8 +342,9 @@ class EngineHost(PackedBatches):
                 raise HostError(f"sampling session {member.key} is not open")
             runs_on = self._base(session.base_path) if session.shared else self._skeleton(session.base_path,
                                                                                            session.lora)[0]
-            wire.check_tokens(wire.tokens_from_model_input(member.payload["prompt"], "prompt"), runs_on.vocab_size,
-                              "prompt")
+            prompt = wire.tokens_from_model_input(member.payload["prompt"], "prompt")
+            wire.check_tokens(prompt, runs_on.vocab_size, "prompt")
+            sample_extras.check(member.payload, len(prompt), runs_on.vocab_size)
             return member.payload
         fb = wire.decode_forward_backward(member.payload)
         if fb.loss_fn not in LOSS_INPUTS:
@@ -469,7 +470,7 @@ class EngineHost(PackedBatches):
             finally:
                 if session.speculation is not None:  # this call's own sampler: its drafter thread ends with it
                     sampler.close()
-        return encode_sample(res)
+        return encode_sample(res, body)
 
 
 def trainer_bytes(trainer) -> int:

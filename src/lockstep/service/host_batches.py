@@ -129,10 +129,10 @@ class PackedBatches:
         if isinstance(out, Exception):  # not one request's refusal: find the one at fault, alone
             log.warning("a packed sampling call of %d members failed (%s); running them one at a time", len(ok), out)
             for i, request in ok:
-                results[i] = attempt(_sample_alone, sampler, request)
+                results[i] = attempt(_sample_alone, sampler, request, members[i].payload)
             return
         for (i, _), res in zip(ok, out):
-            results[i] = encode_sample(res)
+            results[i] = encode_sample(res, members[i].payload)
 
 
 def _packed_train(trainers: list, fbs: list, forward_only: bool) -> list:
@@ -147,12 +147,12 @@ def _packed_train(trainers: list, fbs: list, forward_only: bool) -> list:
     return [_host_error(o) if isinstance(o, Exception) else encode_forward(o, g.data) for o, g in zip(outs, groups)]
 
 
-def _sample_alone(sampler, request) -> tuple[bytes, int]:
+def _sample_alone(sampler, request, body: dict) -> tuple[bytes, int]:
     try:
         [res] = sampler.sample([request])
     except Exception as e:  # noqa: BLE001 - this member's failure, as alone (a ValueError as HostError)
         raise _host_error(e) from None
-    return encode_sample(res)
+    return encode_sample(res, body)
 
 
 MIN_CLASS = 64
@@ -188,25 +188,37 @@ def encode_forward(out, data) -> tuple[bytes, int]:
 def sample_request(body: dict, adapter):
     """A sample request's body (checked by EngineHost._check) as the engine's SampleRequest."""
     from lockstep.engine.types import SampleRequest, SamplingParams
-    from lockstep.service import wire
+    from lockstep.service import sample_extras, wire
     from lockstep.service.host import HostError
 
     p = body["sampling_params"]
     stop = p.get("stop")
     stop = (stop,) if isinstance(stop, str) else (tuple(stop) if stop is not None else None)
     prompt = wire.tokens_from_model_input(body["prompt"], "prompt")
+    target = sample_extras.checked_target(body, len(prompt))
+    extras = {"topk_prompt_logprobs": int(body.get("topk_prompt_logprobs") or 0),
+              "topk_sample_logprobs": int(body.get("topk_sample_logprobs") or 0),
+              "prompt_alt_tokens_k": int(body.get("prompt_alt_tokens_k") or 0),
+              "prompt_logprobs_last_n": body.get("prompt_logprobs_last_n"),
+              "target_prompt_ids": target.ids if target is not None else None}
     try:
         params = SamplingParams(max_tokens=p.get("max_tokens") or 256, temperature=float(p.get("temperature", 1.0)),
                                 top_p=float(p.get("top_p", 1.0)), top_k=int(p.get("top_k", -1)), stop=stop,
                                 seed=p.get("seed"))
         return SampleRequest(prompt, params, num_samples=int(body.get("num_samples", 1)),
-                             prompt_logprobs=bool(body.get("prompt_logprobs")), adapter=adapter)
+                             prompt_logprobs=bool(body.get("prompt_logprobs")), adapter=adapter, **extras)
     except (ValueError, TypeError) as e:  # EngineError: a parameter out of its range; or not a number
         raise HostError(str(e)) from None
 
 
-def encode_sample(res) -> tuple[bytes, int]:
-    from lockstep.service import wire
+def encode_sample(res, body: dict) -> tuple[bytes, int]:
+    """A SampleResult as the SampleResponse its request (`body`, checked) gets, extras included."""
+    from lockstep.service import sample_extras, wire
 
     seqs = [(s.tokens, s.logprobs, s.stop_reason) for s in res.sequences]
-    return wire.encode_sample_response(seqs, res.prompt_logprobs), sum(len(s.tokens) for s in res.sequences)
+    msg = wire.sample_response(seqs, res.prompt_logprobs)
+    target = None
+    if res.target_prompt_logprobs is not None:  # a sparse request's layout is its response's
+        target = sample_extras.checked_target(body, res.target_prompt_logprobs.shape[0] + 1)
+    sample_extras.encode(msg, res, target)
+    return msg.SerializeToString(), sum(len(s.tokens) for s in res.sequences)

@@ -22,7 +22,7 @@ from sqlalchemy import bindparam, or_, select
 from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
 
-from lockstep.service import queue, stability, wire
+from lockstep.service import queue, sample_extras, stability, wire
 from lockstep.service.bodies import (MAX_SEQ, PRINTABLE, CreateModel, CreateSamplingSession, CreateSession, Finish,
                                      LoadWeights, LoraConfig, ModelRef, OptimStep, Retrieve, Sample, SaveWeights,
                                      SaveWeightsExternal, SessionRef, Training)
@@ -467,13 +467,6 @@ def get_sampler(sampler_id: SamplerPath, request: Request, t: Tenant = TENANT) -
 
 
 def check_sample(body: Sample, vocab_size: int, max_context: int, max_sampled_tokens: int) -> tuple[int, ...]:
-    for name, value in (("topk_prompt_logprobs", body.topk_prompt_logprobs),
-                        ("topk_sample_logprobs", body.topk_sample_logprobs),
-                        ("prompt_alt_tokens_k", body.prompt_alt_tokens_k)):
-        if value:
-            raise ServiceError(f"{name} is not supported by this server; send 0")
-    if body.prompt_logprobs_last_n is not None or body.target_prompt_logprobs is not None:
-        raise ServiceError("prompt_logprobs_last_n and target_prompt_logprobs are not supported by this server")
     prompt = wire.tokens_from_model_input(body.prompt, "prompt", max_tokens=max_context)
     if not prompt:
         raise ServiceError("prompt is empty")
@@ -489,6 +482,7 @@ def check_sample(body: Sample, vocab_size: int, max_context: int, max_sampled_to
     stops = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
     if any(isinstance(x, int) and not 0 <= x < vocab_size for x in stops) or any(x == "" for x in stops):
         raise ServiceError(f"sampling_params.stop: token ids must be in [0, {vocab_size}) and strings non-empty")
+    sample_extras.check(body.model_dump(), len(prompt), vocab_size)  # top-k, target ids, alternatives, last_n
     return prompt
 
 

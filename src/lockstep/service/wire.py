@@ -307,6 +307,12 @@ def encode_forward_output(outputs: Sequence[Mapping[str, np.ndarray]], metrics: 
 def encode_sample_response(sequences: Sequence[tuple[Sequence[int], Sequence[float], str]],
                            prompt_logprobs: Sequence[float] | None) -> bytes:
     """SampleResponse: per sequence (tokens, logprobs, stop_reason "stop"|"length")."""
+    return sample_response(sequences, prompt_logprobs).SerializeToString()
+
+
+def sample_response(sequences: Sequence[tuple[Sequence[int], Sequence[float], str]],
+                    prompt_logprobs: Sequence[float] | None):
+    """The SampleResponse message (service/sample_extras.encode adds the extras)."""
     p = pb2()
     msg = p.SampleResponse()
     for tokens, logprobs, reason in sequences:
@@ -316,4 +322,4 @@ def encode_sample_response(sequences: Sequence[tuple[Sequence[int], Sequence[flo
         s.logprobs = np.asarray(logprobs, np.float32).tobytes()
     if prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray([math.nan if x is None else x for x in prompt_logprobs], np.float32).tobytes()
-    return msg.SerializeToString()
+    return msg
