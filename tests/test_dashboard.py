@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,12 +16,7 @@ import pytest
 
 from lockstep.monitor.metrics import MetricsLogger
 from test_service_backends import unavailable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import free_port
 
 
 @pytest.fixture()
