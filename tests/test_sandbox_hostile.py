@@ -419,7 +419,7 @@ def test_program_mode_leaves_nothing(host):
                                                               LIMITS), names))
     for name, v in zip(names, verdicts):
         assert v.status == "ok" and v.stdout == "0\n", (name, v)
-        assert v.wall_s < LIMITS.wall_s, (name, v)
+        assert v.wall_s < LIMITS.wall_s, (name, v)  # the sandbox's own figure: ended, not held to its wall limit
     deadline = time.monotonic() + SETTLE_S
     while (left := [p for p in leftovers(before, processes(), host.marker) if host.marker.encode() in p.cmdline]) \
             and time.monotonic() < deadline:
