@@ -30,7 +30,6 @@ import datetime as dt
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,11 +45,12 @@ import psutil
 
 from common import emit
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers import free_port, wait_until  # the tests' own, one copy
+
 
 def start_server(home: Path, src: str | None, policy: str | None) -> tuple[subprocess.Popen, str, dict, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "LOCKSTEP_HOME": str(home), "TINKER_TELEMETRY": "0", "PYTHONWARNINGS": "ignore"}
     if src:
         env["PYTHONPATH"] = src
@@ -160,14 +160,6 @@ def open_streams(url: str, key: str) -> int:
     return httpx.get(f"{url}/v1/usage", headers={"X-API-Key": key}, timeout=60).json().get("event_streams", -1)
 
 
-def wait_until(pred, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def sdk_session(url: str, key: str, seed: int) -> float:
     import tinker
     from tinker import types
@@ -215,19 +207,23 @@ def measure(url: str, keys: dict, proc: subprocess.Popen, streams: Streams, *, d
         quiet.append(sdk_session(url, keys["sdk"], seed=r))
         cpu["quiet"].append((api_cpu(proc) - c0) / (time.monotonic() - t0))
         streams.open(after=0 if from_start else newest_event(db))
-        wait_until(lambda: len(streams.statuses) == streams.count, "every stream's answer")
+        wait_until(lambda: len(streams.statuses) == streams.count,
+                   timeout=120, what="every stream's answer", every=0.1)
         assert set(streams.statuses) == {200}, streams.statuses
         if new:
-            wait_until(lambda: open_streams(url, keys["streams"]) == streams.count, "the server to count the streams")
+            wait_until(lambda: open_streams(url, keys["streams"]) == streams.count,
+                       timeout=120, what="the server to count the streams", every=0.1)
             streams.open(after=0, count=1)
-            wait_until(lambda: len(streams.statuses) == streams.count + 1, "the extra stream's answer")
+            wait_until(lambda: len(streams.statuses) == streams.count + 1,
+                       timeout=120, what="the extra stream's answer", every=0.1)
             assert streams.statuses[-1] == 429, streams.statuses[-1]  # the cap holds
         c0, t0 = api_cpu(proc), time.monotonic()
         loaded.append(sdk_session(url, keys["sdk"], seed=r))
         cpu["loaded"].append((api_cpu(proc) - c0) / (time.monotonic() - t0))
         streams.close()
         if new:
-            wait_until(lambda: open_streams(url, keys["streams"]) == 0, "the server to release the streams")
+            wait_until(lambda: open_streams(url, keys["streams"]) == 0,
+                       timeout=120, what="the server to release the streams", every=0.1)
     return {"quiet_s": statistics.median(quiet), "loaded_s": statistics.median(loaded),
             "ratio": statistics.median(loaded) / statistics.median(quiet),
             "quiet_all_s": [round(x, 2) for x in quiet], "loaded_all_s": [round(x, 2) for x in loaded],

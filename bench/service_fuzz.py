@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import emit  # noqa: E402
+from helpers import free_port  # noqa: E402
 from service_fuzzing import Fuzzer, make_objects, normal_session  # noqa: E402
 
 HANG_S = 60.0
@@ -34,9 +34,7 @@ HANG_S = 60.0
 
 
 def start_server(home: Path) -> tuple[subprocess.Popen, str, dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "LOCKSTEP_HOME": str(home), "TINKER_TELEMETRY": "0", "PYTHONWARNINGS": "ignore"}
     db = f"sqlite:///{home / 'db.sqlite'}"
     keys = {}

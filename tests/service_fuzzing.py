@@ -16,7 +16,6 @@ import collections
 import contextlib
 import json
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import requests
 import schemathesis
+from helpers import free_port
 from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
@@ -288,9 +288,7 @@ def in_process_service(home: Path, models: dict, db_url: str | None = None, **li
                                f"worker-{home.name}"[:64], os.getpid())
     serving = threading.Thread(target=executor.serve, daemon=True, name="executor")
     serving.start()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     cfg = ServiceConfig(db_url=db, storage_url=storage, poll_timeout_s=2.0, **limits)
     server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning"))
     api = threading.Thread(target=server.run, daemon=True, name="api")

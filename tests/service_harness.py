@@ -12,7 +12,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,24 +23,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import psutil
+from helpers import free_port, wait_until
 
 KINDS = ("api", "worker", "executor")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(pred, timeout: float = 60, what: str = "condition", every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def alive(procs) -> list:

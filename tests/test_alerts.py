@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -16,22 +15,29 @@ from lockstep.monitor.metrics import MetricsLogger
 
 
 class Receiver:
-    """A local webhook receiver: records each JSON body; answers `fail_first` requests with 500."""
+    """A local webhook receiver: records each JSON body; answers `fail_first` requests with 500.
+    With `hold`, each request sets `entered` and waits on `hold` before answering (60 s at most, so
+    that a sender that waits on it ends up failing the test rather than hanging it)."""
 
-    def __init__(self, fail_first: int = 0):
-        self.events, self.calls, self.fail_first = [], 0, fail_first
+    def __init__(self, fail_first: int = 0, hold: threading.Event | None = None):
+        self.events, self.calls, self.fail_first, self.answered = [], 0, fail_first, 0
+        self.hold, self.entered = hold, threading.Event()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 outer.calls += 1
+                if outer.hold is not None:
+                    outer.entered.set()
+                    outer.hold.wait(60)
                 if outer.calls <= outer.fail_first:
                     self.send_response(500)
                 else:
                     outer.events.append(json.loads(body))
                     self.send_response(204)
                 self.end_headers()
+                outer.answered += 1
 
             def log_message(self, *args):
                 pass
@@ -133,16 +139,27 @@ def test_the_webhook_gets_events_and_retries_failures():
         receiver.close()
 
 
-def test_a_webhook_that_is_down_never_blocks_and_a_full_queue_drops(tmp_path):
-    receiver = Receiver()
-    url = receiver.url
-    receiver.close()  # nothing listens there now
-    hook = Webhook(url, max_queue=2, retries=3, backoff_s=0.5)
-    started = time.perf_counter()
-    for i in range(6):
-        hook.send({"status": "firing", "rule": f"r{i}"})
-    assert time.perf_counter() - started < 0.5  # never waits on the receiver
-    assert hook.dropped >= 3  # at most one in delivery and two queued
+def test_a_webhook_that_hangs_never_blocks_and_a_full_queue_drops():
+    """send() never waits on the receiver: all six calls return while the receiver is provably still
+    inside the first request, blocked on an Event this test holds; past one in delivery and two
+    queued, events are dropped and counted."""
+    gate = threading.Event()
+    receiver = Receiver(hold=gate)
+    try:
+        hook = Webhook(receiver.url, max_queue=2, retries=0)
+        hook.send({"status": "firing", "rule": "r0"})
+        assert receiver.entered.wait(60), "the first event never reached the receiver"
+        for i in range(1, 6):
+            hook.send({"status": "firing", "rule": f"r{i}"})
+        # Had a send() waited on the receiver, the receiver would have answered by now (its wait ends).
+        assert receiver.answered == 0 and not gate.is_set()
+        assert hook.dropped == 3 and hook.sent == 0  # one in delivery, two queued, three dropped
+        gate.set()
+        assert hook.join(30)
+        assert [e["rule"] for e in receiver.events] == ["r0", "r1", "r2"] and hook.sent == 3
+    finally:
+        gate.set()
+        receiver.close()
     with pytest.raises(AlertConfigError, match="expected an http"):
         Webhook("file:///etc/passwd")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,16 +19,11 @@ from lockstep.engine.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from dp_worker import ADAM, micro_batches  # noqa: E402
+from helpers import free_port
 
 WORKER = str(Path(__file__).parent / "scripts" / "dp_worker.py")
 ENV = {k: v for k, v in os.environ.items() if not k.startswith(("MKL_", "OMP_"))}
 MICRO = 5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def data_parallel(tmp: Path, model: str, world: int, steps: int, *, load=None, save=None) -> list[dict]:

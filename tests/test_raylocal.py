@@ -27,6 +27,24 @@ def names(procs) -> str:
     return "\n".join(out)
 
 
+def bound_sockets(pids: set[int]) -> list:
+    return [(c.pid, c.laddr) for c in psutil.net_connections("inet")
+            if c.pid in pids and (c.status == psutil.CONN_LISTEN or c.type == 2) and c.laddr]
+
+
+def servers_listening(procs, bound) -> bool:
+    """Whether the gcs_server and the raylet each have a bound socket."""
+    listening = {pid for pid, _ in bound}
+    servers = []
+    for p in alive(procs):
+        try:
+            if p.name() in ("gcs_server", "raylet"):
+                servers.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return len(servers) >= 2 and all(pid in listening for pid in servers)
+
+
 @pytest.mark.slow  # integration tier (pytest -m slow): kept out of the 20-minute default suite
 def test_run_binds_loopback_only_and_nothing_outlives_a_killed_driver(tmp_path, builtin_dir):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -37,14 +55,11 @@ def test_run_binds_loopback_only_and_nothing_outlives_a_killed_driver(tmp_path, 
     try:
         deadline = time.monotonic() + 240
         parts = ("gcs_server", "raylet", "TrainerActor", "GeneratorActor", "EnvWorker", "Agent")
-        while not all(part in names(psutil.Process(proc.pid).children(recursive=True)) for part in parts):
+        # Up: every part running, and Ray's two servers listening (their sockets come after their processes).
+        while not (all(part in names(procs := psutil.Process(proc.pid).children(recursive=True)) for part in parts)
+                   and servers_listening(procs, bound := bound_sockets({p.pid for p in procs} | {proc.pid}))):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
             time.sleep(0.5)
-        time.sleep(2)
-        procs = psutil.Process(proc.pid).children(recursive=True)
-        pids = {p.pid for p in procs} | {proc.pid}
-        bound = [(c.pid, c.laddr) for c in psutil.net_connections("inet")
-                 if c.pid in pids and (c.status == psutil.CONN_LISTEN or c.type == 2) and c.laddr]
         assert bound and all(addr.ip in LOOPBACK for _, addr in bound), bound
         proc.kill()  # the driver alone: nothing else gets a signal from us
         proc.wait()

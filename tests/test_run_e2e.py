@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import ray
 from safetensors.numpy import load_file
@@ -310,8 +311,12 @@ def kill_mid_rl(d, builtin_dir, staleness):
     while time.time() < deadline and rl_steps_logged(d) < 5:
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
         time.sleep(0.05)
+    tree = psutil.Process(proc.pid).children(recursive=True)  # Ray and its actors: they die with the driver
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    # Settled: an orphaned trainer may still finish its save, so every process of the run has ended.
+    _, alive = psutil.wait_procs(tree, timeout=120)
+    assert not alive, [(p.pid, p.name()) for p in alive]
     assert not (d / "checkpoints" / "final").exists()
     assert latest_checkpoint(d) is not None
 
@@ -330,10 +335,10 @@ def check_resumed(d, resumed_from):
 def killed_run(tmp_path_factory, builtin_dir):
     """A synchronous run SIGKILLed mid-RL; tests work on copies. The newest checkpoint by the kill
     holds 4 SFT + 2 or 5 RL steps, by how far the trainer's last save had got (an orphaned
-    trainer may finish it after the driver died), so copies are taken once it has settled."""
+    trainer may finish it after the driver died), so copies are taken once it has settled (kill_mid_rl
+    returns once every process of the run has ended)."""
     d = tmp_path_factory.mktemp("killed") / "run"
     kill_mid_rl(d, builtin_dir, staleness=0)
-    time.sleep(3)
     return d
 
 

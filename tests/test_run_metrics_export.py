@@ -7,16 +7,11 @@ import subprocess
 import sys
 
 import httpx
+from helpers import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from lockstep.monitor.metrics import MetricsLogger
 from lockstep.monitor.prometheus import metric_name, serve_run_metrics
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port) -> dict:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers import free_port
 from safetensors.numpy import load_file
 
 from lockstep.runtime.ledger import audit
@@ -43,12 +44,6 @@ def routable_ip() -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect(("192.0.2.1", 9))  # TEST-NET-1: never routed anywhere, only used to pick the interface
         return s.getsockname()[0]
-
-
-def free_port(ip: str) -> int:
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
 
 
 def node_processes(tag: str) -> list:

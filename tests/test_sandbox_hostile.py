@@ -247,13 +247,15 @@ def leftovers(before: dict[int, Proc], now: dict[int, Proc], marker: str) -> lis
 def test_leftover_check_sees_a_survivor():
     """The host check itself: a process of ours that outlives its run, under a marker, is seen."""
     marker = f"lockstep-hostile-{secrets.token_hex(6)}"
-    close_pools()  # earlier tests' pools refill in the background: their sandboxes are not survivors
-    time.sleep(0.2)
+    close_pools(wait=True)  # earlier tests' pools refill in the background: their sandboxes are not survivors
     before = processes()
     survivor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
     try:
-        time.sleep(0.2)
-        assert [p.pid for p in leftovers(before, processes(), marker)] == [survivor.pid]
+        # Popen returns once the child exists; its command line is the marked one after its exec.
+        while not (now := processes()).get(survivor.pid) or marker.encode() not in now[survivor.pid].cmdline:
+            assert survivor.poll() is None, "the survivor exited"
+            time.sleep(0.02)
+        assert [p.pid for p in leftovers(before, now, marker)] == [survivor.pid]
     finally:
         survivor.kill()
         survivor.wait()
@@ -385,7 +387,9 @@ def test_attack_is_contained(corpus, name, record_property):
 def test_neighbours_unaffected(corpus):
     """Correct programs graded beside the attacks (same limits, same uid) still get reward 1."""
     assert [o.passed for o in corpus.controls] == [1] * CONTROLS, corpus.controls
-    assert corpus.seconds < 90, f"the corpus took {corpus.seconds:.0f}s"
+    # How long the corpus took is printed, never asserted (speed is for bench/): that no
+    # attack holds the grading past its limits is each attack's own verdict (EXPECTED_REASONS:
+    # sleep_forever ends as a timeout), and the controls beside them passing is this test.
 
 
 def test_host_unharmed(corpus, host):
@@ -415,7 +419,7 @@ def test_program_mode_leaves_nothing(host):
                                                               LIMITS), names))
     for name, v in zip(names, verdicts):
         assert v.status == "ok" and v.stdout == "0\n", (name, v)
-        assert v.wall_s < LIMITS.wall_s, (name, v)
+        assert v.wall_s < LIMITS.wall_s, (name, v)  # the sandbox's own figure: ended, not held to its wall limit
     deadline = time.monotonic() + SETTLE_S
     while (left := [p for p in leftovers(before, processes(), host.marker) if host.marker.encode() in p.cmdline]) \
             and time.monotonic() < deadline:
@@ -508,6 +512,8 @@ def test_cli_run_json():
     assert verdicts["exit3"]["stdout"] == "bye\n"
     loop = verdicts["loop"]
     assert (loop["status"], loop["limit"]) in (("limit", "cpu"), ("timeout", None)), loop
+    # A wall limit is a product property about time: the sandbox's own reported running time, held
+    # to the 3 s it enforces plus 0.5 s for its watcher (every WATCH_S) to stop and reap the tree.
     assert loop["wall_s"] < 3.5
     out = verdicts["output"]
     assert (out["status"], out["limit"]) == ("limit", "output"), out

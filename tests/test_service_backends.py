@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tinker
+from helpers import free_port
 from required import unavailable
 from sqlalchemy import func, select
-from test_service_sdk import free_port, logprobs, make_server, sft_datum
+from test_service_sdk import logprobs, make_server, sft_datum
 from tinker import types
 
 from lockstep.service import queue

@@ -25,7 +25,7 @@ from lockstep.service.policy import Policy, PolicyError
 from lockstep.service.tenants import create_tenant
 from lockstep.service.types import JobState
 from test_service_metrics import serve_in_thread
-from service_harness import wait_until
+from helpers import wait_until
 
 POLICY = {"max_event_streams": 3, "max_event_streams_total": 5, "event_keepalive_s": 0.05, "event_poll_s": 0.05,
           "tenants": {"idler": {"event_stream_idle_s": 1}}}

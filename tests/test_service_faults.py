@@ -9,11 +9,11 @@ import hashlib
 import json
 import os
 import random
+import re
 import signal
 import sqlite3
 import subprocess
 import sys
-import time
 import uuid
 from contextlib import closing
 from pathlib import Path
@@ -24,7 +24,8 @@ import pytest
 import tinker
 from tinker import types
 
-from service_harness import alive, wait_until
+from helpers import wait_until
+from service_harness import alive
 from test_service_sdk import executor_of, logprobs, make_server, reference_logprobs, sft_datum
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -193,6 +194,7 @@ def test_hostile_rows_fail_alone_and_the_worker_serves_on(logged, builtin_dir):
     assert [r["error_category"] for r in rows] == ["user", "user", "server", "server"]
     assert "recording the result of forward_backward: IntegrityError" in rows[2]["error"]
     assert "recording the result of optim_step: IntegrityError" in rows[3]["error"]
+    mark = len(srv.log.read_text())  # the loops' failures from here on
     # A row that makes every claim attempt raise, while a real request waits behind it.
     bad = insert_request(srv, kind="sample", tenant_id=rows[1]["tenant_id"], sampling_session_id="nowhere",
                          payload=b"{}", order="x")
@@ -203,11 +205,13 @@ def test_hostile_rows_fail_alone_and_the_worker_serves_on(logged, builtin_dir):
                         "preemptions, next_attempt_at, created_at) values (?, 'nobody', '', '{}', 'reserved', 'queued', "
                         "0, 3, 0, ?, ?)", (job_id, stamp, created))
     waiting = tc.forward_backward(data, "cross_entropy")
-    wait_until(lambda: "the claim loop failed" in srv.log.read_text() and "the scheduler tick failed" in srv.log.read_text(),
-               what="both loops to log their failure")
-    time.sleep(3)  # backing off, not spinning: a handful of attempts, not thousands
-    assert srv.log.read_text().count("the claim loop failed") < 10
-    assert srv.log.read_text().count("the scheduler tick failed") < 10
+    # Backing off, not spinning: each loop's own logged pause doubles from one failure to the next.
+    claims = wait_until(lambda: len(p := re.findall(r"the claim loop failed; retrying in ([\d.]+) s",
+                                                    srv.log.read_text()[mark:])) >= 3 and p, what="three claim failures")
+    ticks = wait_until(lambda: len(p := re.findall(r"the scheduler tick failed; next try in (\d+) s",
+                                                   srv.log.read_text()[mark:])) >= 3 and p, what="three tick failures")
+    assert [float(x) for x in claims[:3]] == [0.5, 1.0, 2.0], claims
+    assert [int(x) for x in ticks[:3]] == [1, 2, 4], ticks
     with store(srv) as con, con:
         con.execute("delete from requests where id = ?", (bad,))
         con.execute("delete from jobs where id = 'garbled-job'")

@@ -7,7 +7,7 @@ bench/service_fuzz.py runs the long version against a live `lockstep serve`."""
 import pytest
 
 from lockstep.service.tenants import create_tenant
-from service_fuzzing import Fuzzer, in_process_service, make_objects, normal_session
+from service_fuzzing import Fuzzer, Tally, in_process_service, make_objects, normal_session
 from test_service_backends import postgres_url  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -27,18 +27,30 @@ def fuzzer(request, tmp_path_factory, builtin_dir):
         yield fuzzer
 
 
-def test_no_schema_case_is_a_5xx_or_a_hang(fuzzer):
+@pytest.fixture(scope="module")
+def schema_tally(fuzzer) -> Tally:
+    """The schema cases, run once per store (each test that needs them, alone or in any order)."""
+    fuzzer.tally = Tally()  # this phase's own count
+    return fuzzer.schema_cases(fuzzer.cases[0], fail_fast=True)
+
+
+@pytest.fixture(scope="module")
+def protobuf_tally(fuzzer) -> Tally:
+    fuzzer.tally = Tally()
+    return fuzzer.protobuf_cases(fuzzer.cases[1], fail_fast=True)
+
+
+def test_no_schema_case_is_a_5xx_or_a_hang(fuzzer, schema_tally):
     n = fuzzer.cases[0]
-    tally = fuzzer.schema_cases(n, fail_fast=True)
-    assert tally.cases >= n and not tally.failures, tally.summary()
-    assert tally.statuses[200] >= n // 20, tally.summary()  # it got past the 4xx too
+    assert schema_tally.cases >= n and not schema_tally.failures, schema_tally.summary()
+    assert schema_tally.statuses[200] >= n // 20, schema_tally.summary()  # it got past the 4xx too
 
 
-def test_no_protobuf_body_is_a_5xx_or_a_hang(fuzzer):
-    tally = fuzzer.protobuf_cases(fuzzer.cases[1], fail_fast=True)
-    assert tally.cases >= sum(fuzzer.cases) and not tally.failures, tally.summary()
+def test_no_protobuf_body_is_a_5xx_or_a_hang(fuzzer, protobuf_tally):
+    assert protobuf_tally.cases >= fuzzer.cases[1] and not protobuf_tally.failures, protobuf_tally.summary()
 
 
-def test_the_server_still_serves_a_normal_session_afterwards(fuzzer):
+def test_the_server_still_serves_a_normal_session_afterwards(fuzzer, schema_tally, protobuf_tally):
+    assert schema_tally.cases and protobuf_tally.cases  # afterwards: both kinds of fuzzing were run first
     losses = normal_session(fuzzer.url, fuzzer.keys["a"], timeout=120)
     assert losses[-1] < losses[0], losses

@@ -37,7 +37,7 @@ def serve_in_thread(app) -> tuple[int, object]:
 
     import uvicorn
 
-    from test_dashboard import free_port
+    from helpers import free_port
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -275,8 +275,8 @@ def test_serve_posts_its_alerts_to_a_webhook(tmp_path):
     import sys
     import time
 
+    from helpers import free_port
     from test_alerts import Receiver
-    from test_service_sdk import free_port
 
     receiver = Receiver()
     rules = tmp_path / "rules.toml"

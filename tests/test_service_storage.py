@@ -3,17 +3,17 @@ abandoned sessions), and the engine host's bounded memory (an evicted model is r
 
 import datetime as dt
 import sqlite3
-import time
 from contextlib import closing
 from pathlib import Path
 
 import httpx
 import pytest
 import tinker
+from helpers import wait_until
+from test_service_sdk import logprobs, make_server, reference_logprobs, sft_datum
 from tinker import types
 
 from lockstep.service.storage import FetchCache, Storage
-from test_service_sdk import logprobs, make_server, reference_logprobs, sft_datum
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
 
@@ -79,16 +79,6 @@ def test_engine_host_holds_a_bounded_number_of_models_sessions_and_skeletons(tmp
 
 def store(srv):
     return closing(sqlite3.connect(srv.db.removeprefix("sqlite:///"), timeout=30))
-
-
-def wait_until(pred, timeout: float = 60, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -245,9 +235,9 @@ def test_save_state_then_load_through_the_engine_host_is_exact_fifty_times(tmp_p
     same weights and Adam moments, bit for bit, and continues exactly as the original does."""
     import numpy as np
     import torch
+    from test_service_api import fwdbwd
 
     from lockstep.service.host import EngineHost
-    from test_service_api import fwdbwd
 
     host = EngineHost(str(tmp_path / "storage"), str(tmp_path / "cache"), 2, max_models=4)
     lora = {"rank": 4, "seed": 3}

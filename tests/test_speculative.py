@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 import torch
@@ -213,34 +212,44 @@ def test_draft_ids_outside_the_vocabulary_are_dropped_and_counted(model_tok):
 
 
 class _Hangs(_FixedDraft):
-    """Hangs (far past the sampler's timeout) on its `at`-th proposal, then answers again."""
+    """Hangs on its `at`-th proposal until `release` is set (at most 120 s: a sampler that waits
+    it out then fails the test instead of hanging it), then answers again."""
 
     def __init__(self, at):
         super().__init__(7)
         self.at, self.calls = at, 0
+        self.release, self.hung, self.woke = threading.Event(), threading.Event(), threading.Event()
 
     def propose(self, row, k):
         self.calls += 1
         if self.calls == self.at:
-            time.sleep(3)
+            self.hung.set()
+            self.release.wait(120)
+            self.woke.set()
         return super().propose(row, k)
 
 
 def test_a_hung_drafter_is_abandoned_and_restarted(model_tok):
     """A drafter call past `draft_timeout` is given up: the call decodes on plainly (the same
-    outputs), the timeout is counted, and the next call drafts again with a fresh worker."""
+    outputs) and returns while the drafter is still blocked, the timeout is counted, and the next
+    call drafts again with a fresh worker."""
     model, tok = model_tok
     reqs = _requests(tok, n_prompts=2, samples=2, max_tokens=12, stop=())
     want = [r.sequences for r in Sampler(model, tok).sample(reqs)]
-    fast = Sampler(model, tok, drafter=_Hangs(at=9), draft_tokens=2, draft_timeout=0.5)
-    started = time.perf_counter()
-    assert [r.sequences for r in fast.sample(reqs)] == want
-    assert time.perf_counter() - started < 2.5  # not waited out
-    st = fast.spec_stats
-    assert st.drafter_timeouts == st.drafter_errors == 1 and st.plain_fallbacks == 1
-    drafted = st.drafted
-    assert [r.sequences for r in fast.sample(reqs)] == want
-    assert st.drafted > drafted and st.drafter_timeouts == 1  # restarted: it drafts again
+    drafter = _Hangs(at=9)
+    fast = Sampler(model, tok, drafter=drafter, draft_tokens=2, draft_timeout=0.5)
+    try:
+        assert [r.sequences for r in fast.sample(reqs)] == want
+        # Not waited out: the call came back while the drafter is still inside its hang.
+        assert drafter.hung.is_set() and not drafter.woke.is_set()
+        st = fast.spec_stats
+        assert st.drafter_timeouts == st.drafter_errors == 1 and st.plain_fallbacks == 1
+        drafted = st.drafted
+        assert [r.sequences for r in fast.sample(reqs)] == want
+        assert st.drafted > drafted and st.drafter_timeouts == 1  # restarted: it drafts again
+        assert not drafter.woke.is_set()  # the fresh worker drafted while the old one still hangs
+    finally:
+        drafter.release.set()
     with pytest.raises(EngineError, match="draft_timeout must be a positive number"):
         Sampler(model, tok, drafter=_FixedDraft(7), draft_timeout=0)
 

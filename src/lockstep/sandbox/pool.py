@@ -37,7 +37,7 @@ class SandboxPool:
     def __init__(self, limits: Limits, ready: int = READY, prime: str = ""):
         self.limits, self.ready, self.prime = limits, ready, prime
         self._idle: deque[Sandbox] = deque()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # a lock; notified when a refill ends (close(wait=True))
         self._filling = self.closed = False
         self.started = self.taken = 0
 
@@ -90,12 +90,17 @@ class SandboxPool:
         finally:
             with self._lock:
                 self._filling = False
+                self._lock.notify_all()
 
-    def close(self) -> None:
-        """Stop refilling and destroy the idle sandboxes (take() still works, unpooled)."""
+    def close(self, *, wait: bool = False) -> None:
+        """Stop refilling and destroy the idle sandboxes (take() still works, unpooled). wait: also
+        until a refill under way has ended (the sandbox it was starting is closed by then), for
+        callers that count the processes left, as tests do."""
         with self._lock:
             self.closed = True
             idle, self._idle = list(self._idle), deque()
+            if wait:
+                self._lock.wait_for(lambda: not self._filling)
         for sb in idle:
             sb.close()
 
@@ -117,13 +122,14 @@ def pool(limits: Limits, prime: str = "") -> SandboxPool:
 
 
 @atexit.register
-def close_pools() -> None:
-    """Close every pool of this process (idle sandboxes destroyed, no more refills)."""
+def close_pools(*, wait: bool = False) -> None:
+    """Close every pool of this process (idle sandboxes destroyed, no more refills; `wait`: see
+    SandboxPool.close)."""
     with _pools_lock:
         pools = list(_pools.values())
         _pools.clear()
     for p in pools:
-        p.close()
+        p.close(wait=wait)
 
 
 def _call(sb: Sandbox, code: str, mode: str, name: str) -> Verdict:
