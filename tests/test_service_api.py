@@ -411,7 +411,6 @@ def test_concurrent_model_creation_stops_at_the_quota(tmp_path, builtin_dir, sto
     without a lock let several creations see the same count and all insert)."""
     import threading
 
-    from lockstep.service.db import Tenant
 
     url = request.getfixturevalue("postgres_url") if store == "postgres" else f"sqlite:///{tmp_path / 'db.sqlite'}"
     cfg = ServiceConfig(db_url=url, storage_url=str(tmp_path / "storage"))

@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from test_service_backends import unavailable
 from test_service_sdk import make_server

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import tarfile
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
