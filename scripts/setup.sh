@@ -14,7 +14,7 @@ fi
 .venv/bin/pip install --quiet --disable-pip-version-check "triton==3.8.0"
 # dev installs the server extra too (PostgreSQL and S3 drivers); Ray is the version in
 # deploy/constraints.txt, the one the image and the KubeRay manifests use.
-.venv/bin/pip install --quiet --disable-pip-version-check -c deploy/constraints.txt -e ".[dev,cookbook,gpu]"
+.venv/bin/pip install --quiet --disable-pip-version-check -c deploy/constraints.txt -c scripts/constraints.txt -e ".[dev,cookbook,gpu]"
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps "tinker-cookbook==0.6.1"
 # The fused CPU kernels (src/lockstep/engine/kernels/fused.cpp), compiled once for this machine
 # (about a minute); g++ comes from Debian packages when missing. Without them the forward runs on
