@@ -98,10 +98,14 @@ def test_a_ttl_set_by_the_owner_is_honoured_by_the_janitor(two, monkeypatch):
     for bad in (10, 11 * 366 * 86400, "x"):
         r = c.put(ck_url(w, "/ttl"), headers=h(w["alice"]), json={"ttl_seconds": bad})
         assert r.status_code == 400 and "ttl_seconds" in r.json()["error"]
+    # The expiry is an hour from when the request was served: between the clock read just before it
+    # and just after it (the store keeps whole seconds at least), however long the request took.
+    before = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
     assert c.put(ck_url(w, "/ttl"), headers=h(w["alice"]), json={"ttl_seconds": 3600}).status_code == 200
+    after = dt.datetime.now(dt.timezone.utc)
     [ck] = c.get("/api/v1/checkpoints", headers=h(w["alice"])).json()["checkpoints"]
     expires = dt.datetime.fromisoformat(ck["expires_at"])
-    assert dt.timedelta(seconds=3500) < expires - dt.datetime.now(dt.timezone.utc) <= dt.timedelta(seconds=3600)
+    assert before + dt.timedelta(seconds=3600) <= expires <= after + dt.timedelta(seconds=3600)
     with w["sessions"]() as s:
         key = s.scalar(select(Checkpoint.storage_path))
     storage = c.app.state.storage
